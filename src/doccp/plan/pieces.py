@@ -1,0 +1,100 @@
+"""Pieces: ``(rank, doc, start, end)`` rows, the currency every strategy deals in.
+
+A piece is the token range ``[start, end)`` of document ``doc`` (document-relative), held by
+``rank``. Pieces are stored column-wise as int64 tensors so that strategies and everything
+derived from them (indices, positions, exchange) stay vectorised host work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Pieces:
+    rank: torch.Tensor
+    doc: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+
+    @classmethod
+    def cat(cls, parts: list[Pieces]) -> Pieces:
+        parts = [p for p in parts if p.rank.numel()]
+        if not parts:
+            return cls.empty()
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("rank", "doc", "start", "end")))
+
+    @classmethod
+    def empty(cls) -> Pieces:
+        z = torch.zeros(0, dtype=torch.int64)
+        return cls(z, z, z, z)
+
+    @classmethod
+    def of(cls, rank, doc, start, end) -> Pieces:
+        cols = [torch.as_tensor(x, dtype=torch.int64).reshape(-1) for x in (rank, doc, start, end)]
+        n = max(c.numel() for c in cols)
+        return cls(*(c.expand(n).clone() if c.numel() == 1 else c for c in cols))
+
+    @property
+    def length(self) -> torch.Tensor:
+        return self.end - self.start
+
+    def __len__(self) -> int:
+        return self.rank.numel()
+
+    def select(self, keep: torch.Tensor) -> Pieces:
+        return Pieces(self.rank[keep], self.doc[keep], self.start[keep], self.end[keep])
+
+    def normalized(self) -> Pieces:
+        """Drop empty pieces, order by (rank, doc, start) and merge touching neighbours."""
+        return self._merged(overlapping=False)
+
+    def normalized_union(self) -> Pieces:
+        """Like :meth:`normalized`, but ranges may overlap: merge them into their union."""
+        return self._merged(overlapping=True)
+
+    def _merged(self, overlapping: bool) -> Pieces:
+        p = self.select(self.end > self.start)
+        if len(p) == 0:
+            return p
+        big = int(p.end.max()) + 1
+        key = (p.rank * (int(p.doc.max()) + 1) + p.doc) * big + p.start
+        p = p.select(torch.argsort(key))
+        group_key = p.rank * (int(p.doc.max()) + 1) + p.doc
+        if overlapping:  # running max of `end` within each (rank, doc) group
+            reach = torch.cummax(group_key * big + p.end, 0).values - group_key * big
+            touches = p.start[1:] <= reach[:-1]
+        else:
+            touches = p.start[1:] == p.end[:-1]
+        same = (group_key[1:] == group_key[:-1]) & touches
+        first = torch.cat([torch.ones(1, dtype=torch.bool), ~same])
+        group = torch.cumsum(first.long(), 0) - 1
+        end = torch.zeros(int(group[-1]) + 1, dtype=torch.int64).scatter_reduce(
+            0, group, p.end, reduce="amax", include_self=False)
+        q = p.select(first)
+        return Pieces(q.rank, q.doc, q.start, end)
+
+
+def cut_stream(cu_seqlens: torch.Tensor, sizes: torch.Tensor) -> Pieces:
+    """Cut a packed stream into consecutive ranges of ``sizes[r]`` tokens, range r to rank r.
+
+    The pieces are the intersections of those ranges with the documents; this is the
+    ``contiguous`` strategy and also how other strategies spill documents over ranks.
+    """
+    bounds = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)])
+    cuts = torch.unique(torch.cat([cu_seqlens, bounds]))
+    seg_start, seg_end = cuts[:-1], cuts[1:]
+    doc = torch.searchsorted(cu_seqlens, seg_start, right=True) - 1
+    rank = torch.searchsorted(bounds, seg_start, right=True) - 1
+    keep = (seg_end > seg_start) & (doc < cu_seqlens.numel() - 1) & (rank < sizes.numel())
+    doc, rank, seg_start, seg_end = doc[keep], rank[keep], seg_start[keep], seg_end[keep]
+    base = cu_seqlens[doc]
+    return Pieces(rank, doc, seg_start - base, seg_end - base)
+
+
+def even_sizes(total: int, parts: int) -> torch.Tensor:
+    """``total`` split into ``parts`` sizes differing by at most one (larger ones first)."""
+    return torch.full((parts,), total // parts, dtype=torch.int64) + (
+        torch.arange(parts) < total % parts).long()
