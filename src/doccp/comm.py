@@ -1,0 +1,177 @@
+"""Collectives over ``torch.distributed`` (gloo on CPU, NCCL on CUDA), with byte counting.
+
+Everything takes a process ``group`` (``None`` = the default group) and speaks in group
+ranks; peers are translated to global ranks for point-to-point calls. All calls go through
+``torch.distributed`` and so honour the group's timeout. Every byte sent or received is
+added to :data:`traffic`, so benchmarks and tests can check volume against a plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Traffic:
+    """Bytes moved by this process through doccp's collectives."""
+
+    sent: int = 0
+    received: int = 0
+
+    def reset(self) -> None:
+        self.sent = self.received = 0
+
+
+#: Process-wide counters; use :func:`measure` to count one region.
+traffic = Traffic()
+
+
+@contextlib.contextmanager
+def measure() -> Iterator[Traffic]:
+    """Count the bytes sent and received inside the ``with`` block."""
+    before = Traffic(traffic.sent, traffic.received)
+    region = Traffic()
+    try:
+        yield region
+    finally:
+        region.sent = traffic.sent - before.sent
+        region.received = traffic.received - before.received
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def size(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def rank(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def exchange(sends: Sequence[torch.Tensor | None], recv_shapes: Sequence[tuple[int, ...] | None],
+             like: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[torch.Tensor | None]:
+    """Point-to-point all-to-all with exact sizes: send ``sends[p]`` to group rank ``p`` and
+    receive a tensor of ``recv_shapes[p]`` (dtype/device of ``like``) from it. Empty or
+    ``None`` entries are skipped on both sides (the caller's plan makes sizes known
+    everywhere, so no size handshake is needed)."""
+    me, n = rank(group), size(group)
+    ops, received = [], [None] * n
+    for peer in range(n):
+        if peer == me:
+            continue
+        shape = recv_shapes[peer]
+        if shape is not None and 0 not in shape:
+            buf = torch.empty(shape, dtype=like.dtype, device=like.device)
+            received[peer] = buf
+            ops.append(dist.P2POp(dist.irecv, buf, global_rank(group, peer), group))
+            traffic.received += _nbytes(buf)
+        out = sends[peer]
+        if out is not None and out.numel():
+            out = out.contiguous()
+            ops.append(dist.P2POp(dist.isend, out, global_rank(group, peer), group))
+            traffic.sent += _nbytes(out)
+    _wait(dist.batch_isend_irecv(ops) if ops else [])
+    return received
+
+
+class RingStep:
+    """One ring hop in flight: send to the next rank, receive from the previous one.
+
+    Start it before computing on the current block so the transfer overlaps compute, and
+    call :meth:`wait` when the next block is needed.
+    """
+
+    def __init__(self, send: Sequence[torch.Tensor], recv_shapes: Sequence[tuple[int, ...]],
+                 like: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None,
+                 direction: int = 1):
+        me, n = rank(group), size(group)
+        nxt, prv = (me + direction) % n, (me - direction) % n
+        self.received = [torch.empty(s, dtype=t.dtype, device=t.device) for s, t in zip(recv_shapes, like, strict=True)]
+        ops = []
+        for t in send:
+            if t.numel():
+                ops.append(dist.P2POp(dist.isend, t.contiguous(), global_rank(group, nxt), group))
+                traffic.sent += _nbytes(t)
+        for t in self.received:
+            if t.numel():
+                ops.append(dist.P2POp(dist.irecv, t, global_rank(group, prv), group))
+                traffic.received += _nbytes(t)
+        self._works = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait(self) -> list[torch.Tensor]:
+        _wait(self._works)
+        return self.received
+
+
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
+
+
+def all_gather_varsize(x: torch.Tensor, sizes: Sequence[int], group: dist.ProcessGroup | None = None,
+                       dim: int = 0) -> list[torch.Tensor]:
+    """All-gather tensors whose ``dim`` sizes differ by rank (``sizes`` known everywhere):
+    pads to the largest, gathers uniform buffers, trims."""
+    n = size(group)
+    longest = max(sizes)
+    if x.shape[dim] < longest:
+        pad_shape = list(x.shape)
+        pad_shape[dim] = longest - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad_shape)], dim)
+    x = x.contiguous()
+    buffers = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(buffers, x, group=group)
+    traffic.sent += _nbytes(x) * (n - 1)
+    traffic.received += _nbytes(x) * (n - 1)
+    return [b.narrow(dim, 0, s) for b, s in zip(buffers, sizes, strict=True)]
+
+
+_validated: dict[tuple, None] = {}
+
+
+def agree(problem: BaseException | None, group: dist.ProcessGroup | None, key: tuple | None = None) -> None:
+    """Make input validation collective: if any rank found a problem, every rank raises it
+    (naming the rank), instead of the healthy ranks hanging in the next collective.
+
+    ``key`` names a configuration (plan id, shapes) already agreed on; it is checked once and
+    then cached, so steady-state calls pay nothing (and NCCL jobs sync once per plan).
+    """
+    if size(group) == 1 or not dist.is_initialized():
+        if problem is not None:
+            raise problem
+        return
+    if problem is None and key is not None and key in _validated:
+        return
+    found = [None] * size(group)
+    dist.all_gather_object(found, None if problem is None else (type(problem).__name__, str(problem)), group=group)
+    for r, item in enumerate(found):
+        if item is not None:
+            kind, message = item
+            cls = TypeError if kind == "TypeError" else ValueError
+            raise cls(message if r == rank(group) else f"{message} (reported by rank {r} of the group)")
+    if key is not None:
+        if len(_validated) > 4096:
+            _validated.clear()
+        _validated[key] = None
+
+
+def check_group(world_size: int, group: dist.ProcessGroup | None, what: str = "plan") -> BaseException | None:
+    """The problem (not raised) if a plan for ``world_size`` ranks meets a group of another size."""
+    n = size(group)
+    if world_size != n:
+        return ValueError(f"the {what} is for world_size={world_size} but the process group has {n} "
+                          f"ranks; build the plan with world_size={n} (or pass the matching group)")
+    return None

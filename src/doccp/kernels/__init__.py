@@ -1,0 +1,65 @@
+"""Kernels: ``attend(q, k, v, slices, mask, scale) -> out, lse`` and its backward, per backend.
+
+Backends: ``reference`` (plain PyTorch, float64-capable, the oracle), ``cpu`` (PyTorch's CPU
+flash kernel), ``cuda`` (flash varlen). ``auto`` picks the best one for the tensors' device.
+Shapes: q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` with ``Hq % Hkv == 0``; out ``[Tq, Hq, D]``
+in q's dtype, lse ``[Hq, Tq]`` in fp32 (fp64 for fp64 inputs). The backward takes the
+*final* (merged) out and lse, so a distributed backward never recomputes the forward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from doccp.kernels import reference
+from doccp.kernels.merge import merge, merge_into
+from doccp.kernels.slices import Slices, doc_slices, pair_slices
+from doccp.masks import Mask
+
+__all__ = ["attend", "attend_backward", "merge", "merge_into", "Slices", "doc_slices", "pair_slices",
+           "BACKENDS", "resolve_backend", "default_scale"]
+
+Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+#: name -> (forward, backward); the cpu and cuda backends register themselves on import.
+BACKENDS: dict[str, tuple[Forward, Backward]] = {
+    "reference": (reference.attend, reference.attend_backward),
+}
+
+
+def resolve_backend(backend: str, q: torch.Tensor) -> str:
+    """``auto`` -> the best backend registered for ``q``'s device and dtype."""
+    if backend == "auto":
+        if q.dtype == torch.float64:
+            return "reference"
+        if q.is_cuda and "cuda" in BACKENDS:
+            return "cuda"
+        if q.device.type == "cpu" and "cpu" in BACKENDS:
+            return "cpu"
+        return "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    return backend
+
+
+def default_scale(q: torch.Tensor, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slices: Slices, mask: Mask,
+           scale: float | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial attention of the query rows over the slices; rows in no slice get 0 / -inf."""
+    return BACKENDS[resolve_backend(backend, q)][0](q, k, v, slices, mask, default_scale(q, scale))
+
+
+def attend_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, slices: Slices, mask: Mask,
+                    scale: float | None = None, backend: str = "auto"
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of the slices' contribution, given the final out and lse of the rows."""
+    return BACKENDS[resolve_backend(backend, q)][1](
+        dout, q, k, v, out, lse, slices, mask, default_scale(q, scale))

@@ -1,0 +1,117 @@
+"""Slices: the work list a CP algorithm hands to a kernel.
+
+A slice says: query rows ``[q_start, q_end)`` of a q buffer attend to key rows
+``[k_start, k_end)`` of a k/v buffer, and the first of those rows sit at document
+positions ``q_pos0`` and ``k_pos0``. With the mask defined on document positions that is
+enough to mask any chunk of a document exactly; the kernel never needs to know about ranks::
+
+    doc of 8 tokens, causal; rank holds q = positions 4..7, k buffer = positions 0..7
+    slice(q 0:4 @ pos 4, k 0:8 @ pos 0)      k: 0 1 2 3 4 5 6 7
+                                           q4   x x x x x . . .
+                                           q5   x x x x x x . .
+                                           q6   x x x x x x x .
+                                           q7   x x x x x x x x
+
+Several slices may target the same query rows (their partial results merge by LSE);
+query rows in no slice get ``out = 0`` and ``lse = -inf``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from doccp.masks import Mask
+
+FIELDS = ("q_start", "q_end", "k_start", "k_end", "q_pos0", "k_pos0")
+
+
+@dataclass(frozen=True)
+class Slices:
+    """Column-wise int64 CPU tensors, one entry per slice (see module docstring)."""
+
+    q_start: torch.Tensor
+    q_end: torch.Tensor
+    k_start: torch.Tensor
+    k_end: torch.Tensor
+    q_pos0: torch.Tensor
+    k_pos0: torch.Tensor
+
+    @classmethod
+    def of(cls, *columns) -> Slices:
+        cols = [torch.as_tensor(c, dtype=torch.int64).reshape(-1) for c in columns]
+        return cls(*cols)
+
+    @classmethod
+    def empty(cls) -> Slices:
+        return cls.of(*([[]] * 6))
+
+    @classmethod
+    def cat(cls, parts: list[Slices]) -> Slices:
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in FIELDS)) if parts else cls.empty()
+
+    def __len__(self) -> int:
+        return self.q_start.numel()
+
+    def select(self, keep) -> Slices:
+        return Slices(*(getattr(self, f)[keep] for f in FIELDS))
+
+    def rows(self) -> list[tuple[int, int, int, int, int, int]]:
+        return list(zip(*(getattr(self, f).tolist() for f in FIELDS), strict=True))
+
+    def pairs(self, mask: Mask) -> torch.Tensor:
+        """Visible (query, key) pairs of each slice."""
+        return mask.pairs(self.q_pos0, self.q_pos0 + self.q_end - self.q_start,
+                          self.k_pos0, self.k_pos0 + self.k_end - self.k_start)
+
+    def validate(self, q_rows: int, k_rows: int) -> None:
+        """Raise if any slice reaches outside the buffers."""
+        bad = ((self.q_start < 0) | (self.q_end > q_rows) | (self.q_end < self.q_start)
+               | (self.k_start < 0) | (self.k_end > k_rows) | (self.k_end < self.k_start))
+        if bad.any():
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"slice {i} {self.select(slice(i, i + 1)).rows()[0]} lies outside the "
+                             f"buffers (q has {q_rows} rows, k/v have {k_rows})")
+
+
+def doc_slices(cu_seqlens: torch.Tensor) -> Slices:
+    """One slice per non-empty document of a packed stream: the single-device case."""
+    start, end = cu_seqlens[:-1], cu_seqlens[1:]
+    keep = end > start
+    start, end = start[keep], end[keep]
+    zero = torch.zeros_like(start)
+    return Slices(start, end, start, end, zero, zero)
+
+
+def pair_slices(q_doc: torch.Tensor, q_row: torch.Tensor, q_pos: torch.Tensor, q_len: torch.Tensor,
+                k_doc: torch.Tensor, k_row: torch.Tensor, k_pos: torch.Tensor, k_len: torch.Tensor,
+                mask: Mask) -> Slices:
+    """Slices for every (query segment, key segment) pair of the same document that share at
+    least one visible pair, trimmed to the rows and keys that can see each other.
+
+    A segment is ``(doc, first buffer row, first document position, length)``. Used by
+    every CP algorithm: all-gather pairs local pieces with gathered key ranges, the ring
+    pairs them with the visiting block's intervals.
+    """
+    if q_doc.numel() == 0 or k_doc.numel() == 0:
+        return Slices.empty()
+    order = torch.argsort(k_doc, stable=True)
+    k_doc, k_row, k_pos, k_len = k_doc[order], k_row[order], k_pos[order], k_len[order]
+    first = torch.searchsorted(k_doc, q_doc, right=False)
+    count = torch.searchsorted(k_doc, q_doc, right=True) - first
+    qi = torch.repeat_interleave(torch.arange(q_doc.numel()), count)
+    run = torch.arange(int(count.sum())) - torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
+    ki = torch.repeat_interleave(first, count) + run
+    qp0, qp1 = q_pos[qi], q_pos[qi] + q_len[qi]
+    kp0, kp1 = k_pos[ki], k_pos[ki] + k_len[ki]
+    # keys some query can see, and queries that can see some key
+    lo, hi = mask.visible_keys(qp0, qp1, kp1)
+    lo = torch.maximum(lo, kp0)
+    qlo = torch.maximum(qp0, lo - mask.right_bound)
+    qhi = torch.minimum(qp1, hi + mask.left_bound)
+    keep = (hi > lo) & (qhi > qlo)
+    qi, ki, lo, hi, qlo, qhi = (t[keep] for t in (qi, ki, lo, hi, qlo, qhi))
+    q0 = q_row[qi] + (qlo - q_pos[qi])
+    k0 = k_row[ki] + (lo - k_pos[ki])
+    return Slices(q0, q0 + (qhi - qlo), k0, k0 + (hi - lo), qlo, lo)
