@@ -29,7 +29,6 @@ def attend(q, k, v, slices: Slices, mask: Mask, scale: float) -> tuple[torch.Ten
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
     t, hq, d = q.shape
-    hkv = k.shape[1]
     out = torch.zeros(t, hq, v.shape[-1], dtype=compute, device=q.device)
     lse = torch.full((hq, t), float("-inf"), dtype=compute, device=q.device)
     for row in slices.rows():
