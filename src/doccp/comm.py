@@ -9,6 +9,7 @@ added to :data:`traffic`, so benchmarks and tests can check volume against a pla
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -139,21 +140,26 @@ def all_gather_varsize(x: torch.Tensor, sizes: Sequence[int], group: dist.Proces
     return [b.narrow(dim, 0, s) for b, s in zip(buffers, sizes, strict=True)]
 
 
-_validated: dict[tuple, None] = {}
+_validated: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def agree(problem: BaseException | None, group: dist.ProcessGroup | None, key: tuple | None = None) -> None:
+def agree(problem: BaseException | None, group: dist.ProcessGroup | None, owner: object = None,
+          key: tuple | None = None) -> None:
     """Make input validation collective: if any rank found a problem, every rank raises it
     (naming the rank), instead of the healthy ranks hanging in the next collective.
 
-    ``key`` names a configuration (plan id, shapes) already agreed on; it is checked once and
-    then cached, so steady-state calls pay nothing (and NCCL jobs sync once per plan).
+    ``(owner, key)`` names a configuration (a plan and the shapes used with it) that every
+    rank already agreed on; it is checked once and remembered for as long as ``owner``
+    lives, so steady-state calls pay nothing (and NCCL jobs sync once per plan). ``key``
+    must hold everything the local checks depend on, so that a remembered configuration
+    cannot fail on one rank only.
     """
     if size(group) == 1 or not dist.is_initialized():
         if problem is not None:
             raise problem
         return
-    if problem is None and key is not None and key in _validated:
+    seen = _validated.get(owner) if owner is not None else None
+    if problem is None and seen is not None and (id(group), key) in seen:
         return
     found = [None] * size(group)
     dist.all_gather_object(found, None if problem is None else (type(problem).__name__, str(problem)), group=group)
@@ -162,10 +168,8 @@ def agree(problem: BaseException | None, group: dist.ProcessGroup | None, key: t
             kind, message = item
             cls = TypeError if kind == "TypeError" else ValueError
             raise cls(message if r == rank(group) else f"{message} (reported by rank {r} of the group)")
-    if key is not None:
-        if len(_validated) > 4096:
-            _validated.clear()
-        _validated[key] = None
+    if owner is not None:
+        _validated.setdefault(owner, set()).add((id(group), key))
 
 
 def check_group(world_size: int, group: dist.ProcessGroup | None, what: str = "plan") -> BaseException | None:

@@ -7,6 +7,7 @@ gathered from the workers, and re-raises the first worker error with its rank an
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import tempfile
@@ -34,6 +35,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _pack(value: Any) -> bytes:
+    """Serialise a worker's result by value (tensors shared by handle die with the worker)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _unpack(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
 def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, results: Any,
             threads: int | None, timeout_s: float, backend: str) -> None:
     if threads:
@@ -42,7 +54,7 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tupl
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
         try:
-            results.put((rank, "ok", fn(rank, *args)))
+            results.put((rank, "ok", _pack(fn(rank, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException as e:  # report every failure to the parent, with its rank
@@ -73,7 +85,10 @@ def spawn(fn: Callable, world_size: int, *args: Any, threads: int | None = None,
         errors = []
         for _ in range(world_size):
             rank, status, value = results.get()
-            (out.__setitem__(rank, value) if status == "ok" else errors.append((rank, value)))
+            if status == "ok":
+                out[rank] = _unpack(value)
+            else:
+                errors.append((rank, value))
         for p in procs:
             p.join(timeout=30)
     if errors:

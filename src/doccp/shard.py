@@ -32,7 +32,7 @@ def unshard(x_local: torch.Tensor, plan: Plan, group: dist.ProcessGroup | None =
     if problem is None and x_local.shape[d] != plan.local_sizes[me]:
         problem = ValueError(f"x_local has {x_local.shape[d]} tokens along dim {dim}, but the plan gives "
                              f"rank {me} {plan.local_sizes[me]}; pass doccp.shard(x, plan, {me}) output")
-    comm.agree(problem, group, key=("unshard", id(plan), tuple(x_local.shape), d))
+    comm.agree(problem, group, owner=plan, key=("unshard", tuple(x_local.shape), d, x_local.device))
     return _Unshard.apply(x_local, plan, group, d)
 
 

@@ -1,0 +1,40 @@
+"""The float64 oracle: dense [T, T] masked softmax over the whole packed stream.
+
+Deliberately independent of doccp's kernels: it builds the document mask from doc ids and
+positions and lets autograd produce the gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from doccp import DocLayout, Mask
+
+
+def dense_mask(layout: DocLayout, mask: Mask) -> torch.Tensor:
+    doc, pos = layout.doc_ids(), layout.positions()
+    d = pos[None, :] - pos[:, None]
+    return (doc[:, None] == doc[None, :]) & (d >= -mask.left_bound) & (d <= mask.right_bound)
+
+
+def dense_attention(q, k, v, layout: DocLayout, mask: Mask, scale: float | None = None):
+    """out [T, Hq, D], lse [Hq, T] in float64; rows with no visible key give 0 / -inf."""
+    q, k, v = (t.double() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.einsum("thd,shd->hts", q, k) * scale
+    s = s.masked_fill(~dense_mask(layout, mask), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return torch.einsum("hts,shd->thd", p, v), lse
+
+
+def random_lengths(rng, num_docs: int, max_len: int) -> list[int]:
+    """Lengths with the awkward cases mixed in: zero-length and 1-token documents."""
+    lengths = [rng.randint(0, max_len) for _ in range(num_docs)]
+    for i in range(0, num_docs, 4):
+        lengths[i] = [0, 1, 2][i // 4 % 3]
+    return lengths

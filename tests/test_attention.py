@@ -1,0 +1,182 @@
+"""Distributed CP attention vs the float64 single-process oracle, on real gloo groups."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from oracle import dense_attention, random_lengths
+
+import doccp
+from doccp import DocLayout, Mask, comm
+from doccp.algorithms import predicted_kv_tokens
+from doccp.launch import WorkerError, spawn
+
+MASKS = [Mask.causal(), Mask.full(), Mask.sliding_window(5), Mask.sliding_window(4, 3)]
+STRATEGIES = ["contiguous", "head_tail", "balanced"]
+ALGORITHMS = ["allgather", "ring_kv"]
+HQ, HKV, D = 4, 1, 16  # GQA 4:1
+
+
+def layouts(world_size: int) -> list[list[int]]:
+    rng = random.Random(world_size)
+    return [
+        random_lengths(rng, 9, 40),  # zero-length, 1-token, short documents
+        [0, 3 * world_size + 1, 0],  # one document spanning (almost) everything
+        [1] * (2 * world_size + 1),  # only 1-token documents; T % N != 0
+        [2 * world_size - 1, 57, 5, 0, 33],  # documents shorter than 2N
+    ]
+
+
+def full_inputs(layout: DocLayout, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    t = layout.num_tokens
+    q, k, v, dout = (torch.randn(t, h, D, generator=g, dtype=torch.float64) for h in (HQ, HKV, HKV, HQ))
+    return q, k, v, dout
+
+
+def run_cases(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
+    """Worker: every case on this rank; returns the local results and bytes received."""
+    results = []
+    for lengths, strategy, mask, algorithm, seed in cases:
+        layout = DocLayout.from_lengths(lengths)
+        plan = doccp.plan(layout, world_size, mask, strategy)
+        q, k, v, dout = (doccp.shard(x.float(), plan, rank).requires_grad_() for x in full_inputs(layout, seed))
+        with comm.measure() as fwd:
+            out, lse = doccp.attention(q, k, v, plan, algorithm=algorithm, return_lse=True)
+        out.backward(dout.detach())
+        results.append({"out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad,
+                        "recv": fwd.received, "nan": any(torch.isnan(t).any() for t in (out, q.grad, k.grad))})
+    return results
+
+
+def check(results_per_rank, cases, world_size):
+    for i, (lengths, strategy, mask, algorithm, seed) in enumerate(cases):
+        layout = DocLayout.from_lengths(lengths)
+        plan = doccp.plan(layout, world_size, mask, strategy)
+        q, k, v, dout = full_inputs(layout, seed)
+        q, k, v = (x.float().double().requires_grad_() for x in (q, k, v))
+        ref_out, ref_lse = dense_attention(q, k, v, layout, mask)
+        ref_out.backward(dout.float().double())
+        predicted = predicted_kv_tokens(plan, algorithm)
+        what = f"case {i}: lengths={lengths} N={world_size} {strategy} {mask} {algorithm}"
+        for r in range(world_size):
+            got = results_per_rank[r][i]
+            idx = plan.indices(r)
+            assert not got["nan"], what
+            torch.testing.assert_close(got["out"].double(), ref_out[idx].detach(), atol=2e-5, rtol=0, msg=what)
+            finite = torch.isfinite(ref_lse[:, idx])
+            assert torch.equal(torch.isfinite(got["lse"]), finite), what
+            torch.testing.assert_close(got["lse"].double()[finite], ref_lse[:, idx][finite], atol=2e-5, rtol=0)
+            for name, ref in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+                torch.testing.assert_close(got[name].double(), ref[idx], atol=1e-4, rtol=0, msg=f"{what} {name}")
+            assert got["recv"] == predicted[r] * 2 * HKV * D * 4, f"{what}: bytes received on rank {r}"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_attention_matches_reference(world_size):
+    cases = [(lengths, strategy, mask, algorithm, seed)
+             for seed, (lengths, strategy, mask, algorithm) in enumerate(
+                 itertools.product(layouts(world_size), STRATEGIES, MASKS, ALGORITHMS))]
+    check(spawn(run_cases, world_size, world_size, cases), cases, world_size)
+
+
+def test_attention_world_size_8():
+    cases = [(lengths, "balanced", Mask.causal(), algorithm, i) for i, (lengths, algorithm) in
+             enumerate(itertools.product([[100, 3, 0, 41, 7, 1, 250]], ALGORITHMS))]
+    cases += [([100, 3, 0, 41, 7, 1, 250], "head_tail", Mask.sliding_window(9), "ring_kv", 7)]
+    check(spawn(run_cases, 8, 8, cases, threads=1), cases, 8)
+
+
+def run_subgroup(rank: int) -> dict | None:
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        return None
+    layout = DocLayout.from_lengths([30, 0, 17, 5])
+    plan = doccp.plan(layout, 2, Mask.causal(), "head_tail")
+    me = dist.get_rank(group)
+    q, k, v, dout = (doccp.shard(x.float(), plan, me).requires_grad_() for x in full_inputs(layout, 0))
+    results = {}
+    for algorithm in ALGORITHMS:
+        q.grad = k.grad = v.grad = None
+        out = doccp.attention(q, k, v, plan, group=group, algorithm=algorithm)
+        out.backward(dout)
+        results[algorithm] = (out.detach(), q.grad, k.grad, v.grad)
+    return {"me": me, **results}
+
+
+def test_subgroup_of_world_3():
+    results = spawn(run_subgroup, 3)
+    assert results[0] is None
+    layout = DocLayout.from_lengths([30, 0, 17, 5])
+    plan = doccp.plan(layout, 2, Mask.causal(), "head_tail")
+    q, k, v, dout = full_inputs(layout, 0)
+    q, k, v = (x.float().double().requires_grad_() for x in (q, k, v))
+    ref, _ = dense_attention(q, k, v, layout, Mask.causal())
+    ref.backward(dout.float().double())
+    for res in results[1:]:
+        idx = plan.indices(res["me"])
+        for algorithm in ALGORITHMS:
+            out, dq, dk, dv = res[algorithm]
+            torch.testing.assert_close(out.double(), ref[idx].detach(), atol=2e-5, rtol=0)
+            for got, want in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
+                torch.testing.assert_close(got.double(), want[idx], atol=1e-4, rtol=0)
+
+
+def run_bad_input(rank: int, world_size: int) -> list[str]:
+    """Each bad call must raise on every rank (no hang); returns the messages seen."""
+    layout = DocLayout.from_lengths([10, 7, 0, 12])
+    plan = doccp.plan(layout, world_size)
+    x = torch.randn(layout.num_tokens, 4, 8)
+    q, k, v = (doccp.shard(t, plan, rank) for t in (x, x[:, :2], x[:, :2]))
+    wrong_plan = doccp.plan(layout, world_size + 1)
+    calls = {
+        "plan/group size": lambda: doccp.attention(q, k, v, wrong_plan),
+        "shape on rank 1 only": lambda: doccp.attention(q if rank != 1 else q[1:], k, v, plan),
+        "devices": lambda: doccp.attention(q, k.to("meta"), v, plan),
+        "heads": lambda: doccp.attention(q[:, :3], k, v, plan),
+        "algorithm": lambda: doccp.attention(q, k, v, plan, algorithm="zigzag"),
+    }
+    messages = []
+    for name, call in calls.items():
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            messages.append(f"{name}: {e}")
+        else:
+            raise AssertionError(f"{name}: no error on rank {rank}")
+    return messages
+
+
+def test_bad_input_raises_on_every_rank():
+    results = spawn(run_bad_input, 2, 2, timeout_s=60)
+    for messages in results:
+        assert len(messages) == 5
+        assert "world_size=3" in messages[0] and "2 ranks" in messages[0]
+        assert "rank 1" in messages[1]
+        assert "one device" in messages[2]
+        assert "multiple of the number of KV heads" in messages[3]
+        assert "algorithm must be" in messages[4]
+
+
+def test_single_process_without_group_matches_reference():
+    layout = DocLayout.from_lengths([5, 0, 9])
+    plan = doccp.plan(layout, 1)
+    q, k, v, _ = full_inputs(layout, 3)
+    out = doccp.attention(q.float(), k.float(), v.float(), plan)
+    ref, _ = dense_attention(q, k, v, layout, Mask.causal())
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+
+
+def fail_on_rank_1(rank: int) -> int:
+    if rank == 1:
+        raise ValueError("boom")
+    return rank
+
+
+def test_worker_errors_name_the_rank():
+    with pytest.raises(WorkerError, match="rank 1 raised ValueError: boom"):
+        spawn(fail_on_rank_1, 2)
