@@ -127,6 +127,8 @@ def all_gather_varsize(x: torch.Tensor, sizes: Sequence[int], group: dist.Proces
     """All-gather tensors whose ``dim`` sizes differ by rank (``sizes`` known everywhere):
     pads to the largest, gathers uniform buffers, trims."""
     n = size(group)
+    if n == 1:
+        return [x.narrow(dim, 0, sizes[0])]
     longest = max(sizes)
     if x.shape[dim] < longest:
         pad_shape = list(x.shape)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import io
 import os
+import queue
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -61,6 +63,33 @@ def _worker(rank: int, world_size: int, init_file: str, fn: Callable, args: tupl
         results.put((rank, "error", (type(e).__name__, str(e), traceback.format_exc())))
 
 
+def _collect(procs: list, results: Any) -> tuple[dict[int, Any], list]:
+    """Gather one report per rank; a rank that dies without reporting (killed, segfault) is
+    an error too, so the parent never waits forever."""
+    out: dict[int, Any] = {}
+    errors: list = []
+    reported: set[int] = set()
+    silent_since: float | None = None
+    while len(reported) < len(procs):
+        try:
+            rank, status, value = results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
+            if dead:  # give its report a moment to arrive through the queue's pipe
+                silent_since = silent_since or time.monotonic()
+                if time.monotonic() - silent_since > 5.0:
+                    for r in dead:
+                        errors.append((r, ("ProcessDied", f"exit code {procs[r].exitcode}", "")))
+                        reported.add(r)
+            continue
+        reported.add(rank)
+        if status == "ok":
+            out[rank] = _unpack(value)
+        else:
+            errors.append((rank, value))
+    return out, errors
+
+
 def spawn(fn: Callable, world_size: int, *args: Any, threads: int | None = None,
           timeout_s: float = 120.0, backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, *args)`` on ``world_size`` processes in one process group.
@@ -73,7 +102,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, threads: int | None = None,
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
+    results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, results, threads,
@@ -81,16 +110,11 @@ def spawn(fn: Callable, world_size: int, *args: Any, threads: int | None = None,
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        out: dict[int, Any] = {}
-        errors = []
-        for _ in range(world_size):
-            rank, status, value = results.get()
-            if status == "ok":
-                out[rank] = _unpack(value)
-            else:
-                errors.append((rank, value))
+        out, errors = _collect(procs, results)
         for p in procs:
             p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
     if errors:
         rank, (kind, message, tb) = min(errors)
         raise WorkerError(rank, kind, message, tb)

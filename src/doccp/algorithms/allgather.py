@@ -44,7 +44,7 @@ class AllGatherAttention(torch.autograd.Function):
         sched, mask, scale, backend, group, rows, local_rows, dtype, hkv = ctx.setup
         me = comm.rank(group)
         dq, dk, dv = kernels.attend_backward(dout, q, k_arr, v_arr, out, lse, sched.slices, mask, scale, backend)
-        dkv_arr = torch.cat([dk, dv], 1).float()
+        dkv_arr = torch.cat([dk, dv], 1).to(torch.promote_types(dk.dtype, torch.float32))  # fp32 sums
         dkv = dkv_arr.new_zeros((rows, *dkv_arr.shape[1:])).index_add_(0, arrange, dkv_arr)
         # Received rows' gradients go back to their owners; ours come back from them.
         bounds = torch.tensor([local_rows, *sched.recv_sizes]).cumsum(0).tolist()
