@@ -1,0 +1,51 @@
+"""The CLI's stderr progress line: silent for quick steps, one line per slow step in logs."""
+
+from __future__ import annotations
+
+import io
+import time
+
+from doccp.cli.progress import Step
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_quick_step_prints_nothing():
+    stream = io.StringIO()
+    with Step("quick", stream=stream, delay=5.0):
+        pass
+    assert stream.getvalue() == ""
+
+
+def test_slow_step_in_a_log():
+    stream = io.StringIO()
+    with Step("slow", total=2, stream=stream, delay=0.01) as step:
+        time.sleep(0.1)
+        step.advance(2)
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "slow ..." and lines[-1].startswith("slow: done in ")
+
+
+def test_bar_on_a_terminal_counts_polled_progress():
+    stream, pending = _Tty(), [1, 1]
+    with Step("ranks", total=2, stream=stream, delay=0.01, poll=lambda: pending.pop() if pending else 0):
+        time.sleep(0.6)
+    text = stream.getvalue()
+    assert "[####################] 2/2" in text and "ranks: done in " in text
+
+
+def test_disabled_and_failed_steps():
+    stream = io.StringIO()
+    with Step("off", stream=stream, delay=0.0, enabled=False):
+        time.sleep(0.05)
+    assert stream.getvalue() == ""
+    try:
+        with Step("boom", stream=stream, delay=0.01):
+            time.sleep(0.05)
+            raise KeyError
+    except KeyError:
+        pass
+    assert stream.getvalue().splitlines()[-1].startswith("boom: failed in ")
