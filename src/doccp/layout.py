@@ -38,12 +38,18 @@ def as_int_tensor(values: IntsLike, name: str, *, ndim: int = 1) -> torch.Tensor
         except TypeError:
             raise TypeError(f"{name} must be a sequence of ints or an integer tensor") from None
         flat = items
-        for _ in range(ndim - 1):
-            flat = [x for row in flat for x in row]
+        try:
+            for _ in range(ndim - 1):
+                flat = [x for row in flat for x in row]
+        except TypeError:
+            raise ValueError(f"{name} must be {ndim}-D (a list of rows), got {items[:4]!r}") from None
         bad = [x for x in flat if isinstance(x, bool) or not isinstance(x, int) and not _is_int_scalar(x)]
         if bad:
             raise TypeError(f"{name} must hold integers, got {bad[0]!r}")
-        tensor = torch.tensor(items, dtype=torch.int64) if items else torch.zeros(0, dtype=torch.int64)
+        try:
+            tensor = torch.tensor(items, dtype=torch.int64) if items else torch.zeros(0, dtype=torch.int64)
+        except ValueError as e:  # ragged rows
+            raise ValueError(f"{name} must be a rectangular {ndim}-D array: {e}") from None
     if tensor.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
     return tensor
@@ -100,7 +106,7 @@ class DocLayout:
         if (lens < 0).any() or (lens > max_len).any():
             raise ValueError(f"doc_lens must lie in [0, max_len={max_len}], got {lens.tolist()[:8]}")
         layout = cls(_cumsum0(lens), rows=(lens.numel(), max_len))
-        rows = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+        rows = repeat_interleave(torch.arange(lens.numel()), lens)
         index = rows * max_len + layout.positions()
         object.__setattr__(layout, "_padded_index", index)
         return layout
@@ -150,11 +156,11 @@ class DocLayout:
 
     def doc_ids(self) -> torch.Tensor:
         """Document of every token of the stream, ``[num_tokens]`` int64."""
-        return torch.repeat_interleave(torch.arange(self.num_docs), self.lengths)
+        return repeat_interleave(torch.arange(self.num_docs), self.lengths, self.num_tokens)
 
     def positions(self) -> torch.Tensor:
         """Document-relative position of every token (what RoPE wants), ``[num_tokens]``."""
-        starts = torch.repeat_interleave(self.cu_seqlens[:-1], self.lengths)
+        starts = repeat_interleave(self.cu_seqlens[:-1], self.lengths, self.num_tokens)
         return torch.arange(self.num_tokens) - starts
 
     # -- index maps between batch formats and the packed stream -------------------------
@@ -203,6 +209,20 @@ class DocLayout:
 
     def __hash__(self) -> int:
         return hash(tuple(self.cu_seqlens.tolist()))
+
+
+def repeat_interleave(values: torch.Tensor, counts: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """Integer ``values[i]`` repeated ``counts[i]`` times, as ``torch.repeat_interleave`` does.
+
+    The torch op parallelises with grain size 1 on CPU, so every call wakes the intra-op
+    thread pool: milliseconds per call on a busy host, and planning makes dozens of calls.
+    Here the first element of each run carries the step from the previous value and a
+    cumsum fills the runs: serial on small inputs, and no gather on large ones.
+    """
+    total = int(counts.sum()) if total is None else total
+    steps = torch.zeros(total + 1, dtype=torch.int64)
+    steps.index_add_(0, torch.cumsum(counts, 0) - counts, torch.diff(values, prepend=values.new_zeros(1)))
+    return torch.cumsum(steps[:total], 0)
 
 
 def _cumsum0(lengths: torch.Tensor) -> torch.Tensor:

@@ -7,13 +7,14 @@ indices, RoPE positions, per-rank work, and which remote KV each rank needs.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
-from doccp.layout import DocLayout
+from doccp.layout import DocLayout, repeat_interleave
 from doccp.masks import Mask
 from doccp.plan.balanced import balanced
 from doccp.plan.exchange import Intervals, kv_exchange
@@ -125,8 +126,19 @@ class Plan:
 
     def indices(self, rank: int) -> torch.Tensor:
         """Global stream index of each local token of ``rank``, in local order (int64)."""
-        p = self.rank_pieces(rank)
+        self._check_rank(rank)
+        return self._stream_order[self._token_offsets[rank]:self._token_offsets[rank + 1]].clone()
+
+    @cached_property
+    def _stream_order(self) -> torch.Tensor:
+        """The indices of every rank, rank after rank: one pass over the stream for all ranks
+        (callers usually want them all: unshard, the demo, every rank's loader)."""
+        p = self.all_pieces
         return _expand(self.layout.cu_seqlens[p.doc] + p.start, p.length)
+
+    @cached_property
+    def _token_offsets(self) -> list[int]:
+        return list(itertools.accumulate(self.local_sizes, initial=0))
 
     def positions(self, rank: int) -> torch.Tensor:
         """Document-relative position of each local token (for RoPE), int64."""
@@ -135,7 +147,7 @@ class Plan:
 
     def doc_ids(self, rank: int) -> torch.Tensor:
         p = self.rank_pieces(rank)
-        return torch.repeat_interleave(p.doc, p.length)
+        return repeat_interleave(p.doc, p.length)
 
     @cached_property
     def local_sizes(self) -> list[int]:
@@ -185,17 +197,21 @@ class Plan:
 
 
 def _expand(first: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``cat([first[i] + arange(counts[i]) for i])`` without a Python loop."""
+    """``cat([first[i] + arange(counts[i]) for i])`` without a Python loop: steps of 1, except
+    where a run starts, which jumps from where the previous run would have gone on; one
+    cumsum over one buffer (this is most of the cost of ``indices`` on long streams)."""
     total = int(counts.sum())
     offsets = torch.cumsum(counts, 0) - counts
-    return torch.repeat_interleave(first - offsets, counts, output_size=total) + torch.arange(total)
+    jumps = torch.diff(first - offsets, prepend=first.new_ones(1))
+    steps = torch.ones(total + 1, dtype=torch.int64).index_add_(0, offsets, jumps)
+    return steps[:total].cumsum_(0)
 
 
 def _tile_counts(p: Pieces, doc_len: torch.Tensor, mask: Mask) -> torch.Tensor:
     """128x128 tiles touched by each piece's queries against its document's keys (key tiles
     aligned to document position 0, query tiles to the piece start): a fragmentation proxy."""
     n_tiles = (p.length + TILE - 1) // TILE
-    piece = torch.repeat_interleave(torch.arange(len(p)), n_tiles)
+    piece = repeat_interleave(torch.arange(len(p)), n_tiles)
     first = _expand(torch.zeros(len(p), dtype=torch.int64), n_tiles)
     q0 = p.start[piece] + first * TILE
     q1 = torch.minimum(q0 + TILE, p.end[piece])

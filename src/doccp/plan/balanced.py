@@ -3,20 +3,22 @@
 Every rank must end with the same number of tokens (within one) *and* the same attention
 work (mask pairs). Work per token grows with a token's position in its document, so a
 split document is a dial: its early tokens are cheap, its late tokens expensive. The
-planner spends that dial on one document, the *absorber*, to fix whatever the cheap
+planner spends that dial on the largest document, the *absorber* (or the 2, 4, 8
+largest when one cannot reach a max/mean work of 1.004), to fix whatever the cheap
 whole-document packing could not::
 
     1. split     docs too big to keep whole      ->  head-tail over all ranks (equal shares)
     2. pack      the rest, largest work first    ->  whole, onto the least-loaded rank
                                                      with token room
     3. spill     docs that fit nowhere whole     ->  cut over the ranks' remaining room
-    4. absorb    the largest doc                 ->  each rank takes a head piece and a
+    4. absorb    the largest doc(s)              ->  each rank takes a head piece and a
                                                      tail piece sized to hit the exact
                                                      token count and the mean work
 
-    absorber of 16 tokens, 3 ranks that need (tokens, work) = (6, 40), (5, 60), (5, 36):
+    absorber of 16 tokens (causal: position i costs i + 1 pairs); the ranks still need
+    (tokens, work) = (6, 40), (5, 60), (5, 36):
     position  0 1 2 3 4 5 6 7 8 9 A B C D E F
-    rank      2 2 2 0 0 0 0 0 1 1 1 1 1 0 2 2      heads from the front, tails from the back
+    rank      1 0 0 0 2 2 2 2 2 0 0 0 1 1 1 1      ->  work 42, 59, 35
 
 Ranks are served most-extreme-need first, choosing the head/tail split whose work is
 closest to the need; the most typical rank takes what is left in the middle. Short

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from doccp.layout import repeat_interleave
 from doccp.masks import Mask
 from doccp.plan.pieces import Pieces
 
@@ -59,9 +60,9 @@ def kv_exchange(pieces: Pieces, lengths: torch.Tensor, mask: Mask) -> Intervals:
     first = torch.searchsorted(key, seen.doc * big + seen.start, right=True) - 1
     last = torch.searchsorted(key, seen.doc * big + seen.end, right=False)
     count = (last - first).clamp(min=0)
-    vi = torch.repeat_interleave(torch.arange(len(seen)), count)
-    hi_idx = torch.repeat_interleave(first, count) + (
-        torch.arange(int(count.sum())) - torch.repeat_interleave(torch.cumsum(count, 0) - count, count))
+    total = int(count.sum())
+    vi = repeat_interleave(torch.arange(len(seen)), count, total)
+    hi_idx = first[vi] + (torch.arange(total) - (torch.cumsum(count, 0) - count)[vi])
     start = torch.maximum(seen.start[vi], h.start[hi_idx])
     end = torch.minimum(seen.end[vi], h.end[hi_idx])
     out = Intervals(seen.rank[vi], h.rank[hi_idx], seen.doc[vi], start, end)

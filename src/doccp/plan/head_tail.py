@@ -42,8 +42,12 @@ def head_tail_docs(lengths: torch.Tensor, docs: torch.Tensor, n: int, cursor: in
     tail = base[:, None] + (slot + n < rem[:, None]).long()
     sizes = torch.cat([head, tail.flip(1)], 1)  # chunk c: head of rank c, tail of rank 2N-1-c
     ends = torch.cumsum(sizes, 1)
-    chunk_rank = torch.cat([ranks, ranks.flip(0)])
+    # Emitted rank by rank, then document, head before tail: the order a plan keeps them in.
+    chunks = torch.stack([ranks, 2 * n - 1 - ranks], 1)  # [N, 2]: each rank's head and tail chunk
     pieces = Pieces(
-        chunk_rank.repeat(d), docs.repeat_interleave(2 * n), (ends - sizes).reshape(-1), ends.reshape(-1)
+        ranks[:, None, None].expand(n, d, 2).reshape(-1),
+        docs[None, :, None].expand(n, d, 2).reshape(-1),
+        (ends - sizes)[:, chunks].transpose(0, 1).reshape(-1),
+        ends[:, chunks].transpose(0, 1).reshape(-1),
     )
     return pieces, int((cursor + rem.sum()) % n)

@@ -34,7 +34,7 @@ class Pieces:
     @classmethod
     def of(cls, rank, doc, start, end) -> Pieces:
         cols = [torch.as_tensor(x, dtype=torch.int64).reshape(-1) for x in (rank, doc, start, end)]
-        n = max(c.numel() for c in cols)
+        n = 0 if any(c.numel() == 0 for c in cols) else max(c.numel() for c in cols)
         return cls(*(c.expand(n).clone() if c.numel() == 1 else c for c in cols))
 
     @property
@@ -61,7 +61,8 @@ class Pieces:
             return p
         big = int(p.end.max()) + 1
         key = (p.rank * (int(p.doc.max()) + 1) + p.doc) * big + p.start
-        p = p.select(torch.argsort(key))
+        if not bool((key[1:] >= key[:-1]).all()):  # strategies often emit pieces in order already
+            p = p.select(torch.argsort(key))
         group_key = p.rank * (int(p.doc.max()) + 1) + p.doc
         if overlapping:  # running max of `end` within each (rank, doc) group
             reach = torch.cummax(group_key * big + p.end, 0).values - group_key * big

@@ -1,0 +1,209 @@
+"""Distributed CP attention on CPU gloo ranks vs one process, side by side in one run.
+
+For the first layout of each mix (cropped to T tokens): fwd+bwd time of every algorithm x
+strategy at 2 and 4 ranks, the speedup over one process running ``varlen_attention`` on
+the whole stream (all cores), and the KV bytes each rank receives vs a full all-gather of
+K and V. Torch threads per rank = cores / ranks. Optionally PyTorch's FlexAttention CP
+(forward only on CPU) on the same inputs.
+
+    python bench/cp.py            # full run
+    python bench/cp.py --quick    # smaller, for a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import doccp
+from doccp import DocLayout, Mask, comm
+from doccp.launch import spawn
+
+MIXES = Path(__file__).resolve().parents[1].parent / "shared" / "bench" / "mixes.json"
+H, HKV, D = 8, 2, 64
+
+
+def crop(lengths: list[int], tokens: int) -> list[int]:
+    out, total = [], 0
+    for n in lengths:
+        if total >= tokens:
+            break
+        out.append(min(n, tokens - total))
+        total += out[-1]
+    return out
+
+
+def inputs(t: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(t, h, D, generator=g) for h in (H, HKV, HKV, H)]
+
+
+def timed(fn, repeats: int, barrier: bool) -> float:
+    fn()  # warm-up (also builds the plan's cached schedule)
+    times = []
+    for _ in range(repeats):
+        if barrier:
+            dist.barrier()
+        start = time.perf_counter()
+        fn()
+        if barrier:
+            dist.barrier()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def single(rank: int, lengths: list[int], repeats: int) -> float:
+    layout = DocLayout.from_lengths(lengths)
+    q, k, v, dout = inputs(layout.num_tokens)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+
+    def step():
+        out = doccp.varlen_attention(q, k, v, layout, Mask.causal())
+        out.backward(dout)
+
+    return timed(step, repeats, barrier=False)
+
+
+def distributed(rank: int, world_size: int, lengths: list[int], configs: list[tuple[str, str]], repeats: int):
+    layout = DocLayout.from_lengths(lengths)
+    full = inputs(layout.num_tokens)
+    results = {}
+    for strategy, algorithm in configs:
+        plan = doccp.plan(layout, world_size, Mask.causal(), strategy)
+        q, k, v, dout = (doccp.shard(x, plan, rank) for x in full)
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+
+        def step(plan=plan, q=q, k=k, v=v, dout=dout, algorithm=algorithm):
+            out = doccp.attention(q, k, v, plan, algorithm=algorithm)
+            out.backward(dout)
+
+        seconds = timed(step, repeats, barrier=True)
+        with comm.measure() as fwd:
+            doccp.attention(q.detach(), k.detach(), v.detach(), plan, algorithm=algorithm)
+        full_allgather = (layout.num_tokens - plan.local_sizes[rank]) * 2 * HKV * D * 4
+        results[(strategy, algorithm)] = (seconds, fwd.received, full_allgather)
+    return results
+
+
+def flex_forward(rank: int, world_size: int, lengths: list[int], repeats: int):
+    """PyTorch FlexAttention CP with its per-document head-tail balancer (forward only)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental._context_parallel._attention import (
+        _context_parallel_shard,
+        _ContextParallel,
+        _create_cp_block_mask,
+    )
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+        _PerDocumentHeadTailLoadBalancer,
+    )
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.nn.attention.flex_attention import flex_attention
+
+    step = 2 * world_size
+    padded = [-(-n // step) * step for n in lengths]  # the balancer requires multiples of 2N
+    block = world_size * 128
+    tail = -sum(padded) % block
+    if tail:
+        padded.append(tail + (-tail % step))
+    total = sum(padded)
+    mesh = init_device_mesh("cpu", (world_size,))
+    doc = torch.repeat_interleave(torch.arange(len(padded)), torch.tensor(padded))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    balancer = _PerDocumentHeadTailLoadBalancer([padded], world_size, "cpu")
+    block_mask = _create_cp_block_mask(mask_mod, 1, 1, total, total, mesh, balancer)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, H, total, D, generator=g)
+    k = torch.randn(1, HKV, total, D, generator=g)
+    v = torch.randn(1, HKV, total, D, generator=g)
+    q, k, v = _context_parallel_shard(mesh, [q, k, v], [2, 2, 2], load_balancer=balancer)
+    compiled = torch.compile(flex_attention)
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v, block_mask):
+            return compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    style = _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX)
+    attn = parallelize_module(Attn(), mesh, style)
+    seconds = timed(lambda: attn(q, k, v, block_mask=block_mask), repeats, barrier=True)
+    return seconds, total - sum(lengths)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="T=8192, world size 2, fewer repeats")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per layout (default 32768; quick 8192)")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--no-flex", action="store_true", help="skip the FlexAttention CP baseline")
+    ap.add_argument("--mixes", default=str(MIXES))
+    args = ap.parse_args(argv)
+    tokens = args.tokens or (8192 if args.quick else 32768)
+    repeats = args.repeats or (2 if args.quick else 5)
+    world_sizes = [2] if args.quick else [2, 4]
+    cores = os.cpu_count() or 1
+    mixes = json.loads(Path(args.mixes).read_text())["mixes"]
+    configs = [(s, a) for s in ("head_tail", "balanced") for a in ("allgather", "ring_kv")]
+
+    cmd = "python bench/cp.py" + (" --quick" if args.quick else "")
+    print("## Distributed CP attention (training, fwd+bwd)\n")
+    print(f"`{cmd}` — T={tokens} (first layout of each mix, cropped), H={H}, Hkv={HKV}, D={D}, fp32, causal, "
+          f"gloo on {cores} CPU cores, torch threads per rank = cores / ranks, median of {repeats}. "
+          "Speedup = one process (`varlen_attention`, all cores) / CP time. "
+          "KV recv = bytes of K and V a rank receives in the forward pass / a full all-gather of K and V.\n")
+    rows, checks, flex_rows = [], [], []
+    for mix, layouts in mixes.items():
+        lengths = crop(layouts[0], tokens)
+        base = spawn(single, 1, lengths, repeats, threads=cores)[0]
+        for n in world_sizes:
+            per_rank = spawn(distributed, n, n, lengths, configs, repeats, threads=max(1, cores // n))
+            for cfg in configs:
+                seconds = max(r[cfg][0] for r in per_rank)
+                kv = max(r[cfg][1] / max(r[cfg][2], 1) for r in per_rank)
+                rows.append((mix, n, *cfg, base, seconds, base / seconds, kv))
+            if not args.no_flex and not args.quick:
+                try:
+                    seconds, pad = spawn(flex_forward, n, n, lengths, repeats, threads=max(1, cores // n),
+                                         timeout_s=900)[0]
+                    flex_rows.append((mix, n, f"{seconds * 1e3:.1f}", pad))
+                except Exception as e:  # report, don't hide, a baseline that does not run here
+                    flex_rows.append((mix, n, f"did not run: {str(e).splitlines()[0][:120]}", "-"))
+        print(f"mix `{mix}`: {len(lengths)} documents", file=sys.stderr)
+    print("| mix | ranks | strategy | algorithm | 1 process (ms) | CP (ms) | speedup | KV recv / all-gather |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mix, n, strategy, algorithm, base, seconds, speedup, kv in rows:
+        print(f"| {mix} | {n} | {strategy} | {algorithm} | {base * 1e3:.1f} | {seconds * 1e3:.1f} | "
+              f"{speedup:.2f}x | {kv:.1%} |")
+    for mix in ("sft", "pretrain"):
+        best = max((r for r in rows if r[0] == mix and r[1] == 2 and r[2] == "balanced"), key=lambda r: r[6],
+                   default=None)
+        if best:
+            checks.append((f"`{mix}`, 2 ranks, balanced + best algorithm ({best[3]}): fwd+bwd speedup >= 1.6x",
+                           f"{best[6]:.2f}x", best[6] >= 1.6))
+    sft_kv = [r[7] for r in rows if r[0] == "sft" and r[2] == "balanced" and r[3] == "allgather"]
+    if sft_kv:
+        checks.append(("`sft`, balanced + allgather: KV bytes received per rank <= 15% of a full all-gather",
+                       f"{max(sft_kv):.1%}", max(sft_kv) <= 0.15))
+    print("\n| target | measured | |\n|---|---|---|")
+    for what, got, ok in checks:
+        print(f"| {what} | {got} | {'PASS' if ok else 'MISS'} |")
+    if flex_rows:
+        print("\nPyTorch FlexAttention CP (`_ContextParallel` FLEX + `_PerDocumentHeadTailLoadBalancer`), "
+              "forward only on CPU, same documents padded to multiples of 2N (and the stream to N*128):\n")
+        print("| mix | ranks | forward (ms) | padding tokens |\n|---|---|---|---|")
+        for mix, n, ms, pad in flex_rows:
+            print(f"| {mix} | {n} | {ms} | {pad} |")
+    print()
+
+
+if __name__ == "__main__":
+    main()
