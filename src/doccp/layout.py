@@ -225,6 +225,17 @@ def repeat_interleave(values: torch.Tensor, counts: torch.Tensor, total: int | N
     return torch.cumsum(steps[:total], 0)
 
 
+def expand_ranges(first: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``cat([first[i] + arange(counts[i]) for i])`` without a Python loop: steps of 1, except
+    where a run starts, which jumps from where the previous run would have gone on; one
+    cumsum over one buffer (this is most of the cost of ``indices`` on long streams)."""
+    total = int(counts.sum())
+    offsets = torch.cumsum(counts, 0) - counts
+    jumps = torch.diff(first - offsets, prepend=first.new_ones(1))
+    steps = torch.ones(total + 1, dtype=torch.int64).index_add_(0, offsets, jumps)
+    return steps[:total].cumsum_(0)
+
+
 def _cumsum0(lengths: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
 

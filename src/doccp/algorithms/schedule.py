@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from doccp.kernels.slices import Slices, pair_slices
+from doccp.layout import expand_ranges, repeat_interleave
 from doccp.plan import Plan
 from doccp.plan.exchange import visible_intervals
 from doccp.plan.pieces import Pieces
@@ -51,10 +52,7 @@ class Segments:
     def expand(self, doc: torch.Tensor, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
         """Buffer rows of the document ranges ``[start, end)``, concatenated in order."""
         length = end - start
-        total = int(length.sum())
-        offsets = torch.cumsum(length, 0) - length
-        pos = torch.repeat_interleave(start - offsets, length, output_size=total) + torch.arange(total)
-        return self.locate(torch.repeat_interleave(doc, length, output_size=total), pos)
+        return self.locate(repeat_interleave(doc, length), expand_ranges(start, length))
 
     def slices_against(self, keys: Segments, plan: Plan) -> Slices:
         return pair_slices(self.doc, self.row, self.pos, self.length,

@@ -14,7 +14,7 @@ from functools import cached_property
 
 import torch
 
-from doccp.layout import DocLayout, repeat_interleave
+from doccp.layout import DocLayout, expand_ranges, repeat_interleave
 from doccp.masks import Mask
 from doccp.plan.balanced import balanced
 from doccp.plan.exchange import Intervals, kv_exchange
@@ -134,7 +134,7 @@ class Plan:
         """The indices of every rank, rank after rank: one pass over the stream for all ranks
         (callers usually want them all: unshard, the demo, every rank's loader)."""
         p = self.all_pieces
-        return _expand(self.layout.cu_seqlens[p.doc] + p.start, p.length)
+        return expand_ranges(self.layout.cu_seqlens[p.doc] + p.start, p.length)
 
     @cached_property
     def _token_offsets(self) -> list[int]:
@@ -143,7 +143,7 @@ class Plan:
     def positions(self, rank: int) -> torch.Tensor:
         """Document-relative position of each local token (for RoPE), int64."""
         p = self.rank_pieces(rank)
-        return _expand(p.start, p.length)
+        return expand_ranges(p.start, p.length)
 
     def doc_ids(self, rank: int) -> torch.Tensor:
         p = self.rank_pieces(rank)
@@ -196,23 +196,12 @@ class Plan:
                 f"{self.layout!r})")
 
 
-def _expand(first: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``cat([first[i] + arange(counts[i]) for i])`` without a Python loop: steps of 1, except
-    where a run starts, which jumps from where the previous run would have gone on; one
-    cumsum over one buffer (this is most of the cost of ``indices`` on long streams)."""
-    total = int(counts.sum())
-    offsets = torch.cumsum(counts, 0) - counts
-    jumps = torch.diff(first - offsets, prepend=first.new_ones(1))
-    steps = torch.ones(total + 1, dtype=torch.int64).index_add_(0, offsets, jumps)
-    return steps[:total].cumsum_(0)
-
-
 def _tile_counts(p: Pieces, doc_len: torch.Tensor, mask: Mask) -> torch.Tensor:
     """128x128 tiles touched by each piece's queries against its document's keys (key tiles
     aligned to document position 0, query tiles to the piece start): a fragmentation proxy."""
     n_tiles = (p.length + TILE - 1) // TILE
     piece = repeat_interleave(torch.arange(len(p)), n_tiles)
-    first = _expand(torch.zeros(len(p), dtype=torch.int64), n_tiles)
+    first = expand_ranges(torch.zeros(len(p), dtype=torch.int64), n_tiles)
     q0 = p.start[piece] + first * TILE
     q1 = torch.minimum(q0 + TILE, p.end[piece])
     lo, hi = mask.visible_keys(q0, q1, doc_len[piece])
