@@ -15,6 +15,9 @@ the same loss and gradients on one device and under CP.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -24,6 +27,9 @@ from doccp import comm
 from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan import Plan
+
+#: ``attend(q, k, v) -> out``: a replacement for one layer's attention call.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 __all__ = ["apply_rope", "doc_positions", "DocAttention", "SwiGLU", "Block", "TinyLM"]
 
@@ -91,11 +97,16 @@ class DocAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: DocLayout | None = None, plan: Plan | None = None,
                 group: dist.ProcessGroup | None = None, positions: torch.Tensor | None = None,
-                algorithm: str = "auto") -> torch.Tensor:
+                algorithm: str = "auto", attend: Attend | None = None) -> torch.Tensor:
         """``x [T, dim] -> [T, dim]``. ``positions`` (from :func:`doc_positions`) may be passed
         to skip recomputing them in every layer; ``algorithm`` picks the CP algorithm
-        (see :func:`doccp.attention`)."""
-        _check_context(layout, plan)
+        (see :func:`doccp.attention`). ``attend(q, k, v)``, with ``positions``, replaces the
+        attention call: how cache-backed inference (``doccp.prefill``/``decode``) plugs in."""
+        if attend is not None:
+            if positions is None:
+                raise ValueError("attend= needs positions= (the document positions of x's tokens)")
+        else:
+            _check_context(layout, plan)
         if plan is not None and plan.mask != self.mask:
             raise ValueError(f"the plan's mask is {plan.mask} but this DocAttention uses {self.mask}; "
                              "build the plan with the module's mask")
@@ -106,7 +117,9 @@ class DocAttention(nn.Module):
         if self.rope:
             pos = doc_positions(layout, plan, group).to(x.device) if positions is None else positions
             q, k = apply_rope(q, pos, self.rope_base), apply_rope(k, pos, self.rope_base)
-        if plan is None:
+        if attend is not None:
+            out = attend(q, k, v)
+        elif plan is None:
             from doccp.varlen import varlen_attention
 
             out = varlen_attention(q, k, v, layout, mask=self.mask)
@@ -144,8 +157,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: DocLayout | None = None, plan: Plan | None = None,
                 group: dist.ProcessGroup | None = None, positions: torch.Tensor | None = None,
-                algorithm: str = "auto") -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), layout, plan, group, positions, algorithm)
+                algorithm: str = "auto", attend: Attend | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), layout, plan, group, positions, algorithm, attend)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -167,9 +180,17 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor, layout: DocLayout | None = None, plan: Plan | None = None,
-                group: dist.ProcessGroup | None = None, algorithm: str = "auto") -> torch.Tensor:
-        positions = doc_positions(layout, plan, group).to(tokens.device)  # once, not per layer
+                group: dist.ProcessGroup | None = None, algorithm: str = "auto", *,
+                positions: torch.Tensor | None = None,
+                attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """Logits ``[T, vocab]``. With ``attend(layer, q, k, v)`` and ``positions`` every layer's
+        attention is that call instead (e.g. ``doccp.prefill`` into per-layer caches)."""
+        if positions is None:
+            positions = doc_positions(layout, plan, group)  # once, not per layer
+        positions = positions.to(tokens.device)
         x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x, layout, plan, group, positions, algorithm)
+        for i, block in enumerate(self.blocks):
+            layer_attend = None if attend is None else functools.partial(attend, i)
+            x = block(x, layout, plan, group, positions, algorithm, layer_attend)
         return self.head(self.norm(x))
