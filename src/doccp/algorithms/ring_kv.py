@@ -19,30 +19,49 @@ import torch
 
 from doccp import comm, kernels
 from doccp.algorithms.schedule import RingSchedule
+from doccp.algorithms.work import Work, accumulators, attend_into
 
 
 def _block_shape(sched: RingSchedule, owner: int, like: torch.Tensor) -> tuple[int, ...]:
     return (sched.block_sizes[owner % len(sched.block_sizes)], *like.shape[1:])
 
 
+def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x[rows]``: a view (no copy) when the rows are one ascending run, else a gather."""
+    n = rows.numel()
+    if n and int(rows[-1]) - int(rows[0]) == n - 1 and (n == 1 or bool((rows[1:] - rows[:-1] == 1).all())):
+        return x[int(rows[0]):int(rows[0]) + n]
+    return x.index_select(0, rows.to(x.device))
+
+
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_rows: torch.Tensor, block_sizes: list[int],
+                 steps: list[Work], scale: float, backend: str, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pass-KV forward loop, shared by training and inference prefill.
+
+    ``k``/``v`` are the rank's own key rows (step 0); ``k[block_rows]``/``v[block_rows]`` is the
+    block this rank sends around the ring, and ``block_sizes[r]`` the rows of rank r's block.
+    At step t the block of rank ``me - t`` is here and ``steps[t]`` is the work of the local
+    queries against it. Returns fp32 (fp64 for fp64) out and lse.
+    """
+    me, n = comm.rank(group), comm.size(group)
+    out, lse = accumulators(q, dim=v.shape[2])
+    block = [take_rows(k, block_rows), take_rows(v, block_rows)]
+    for t in range(n):
+        shapes = [(block_sizes[(me - t - 1) % n], *x.shape[1:]) for x in (k, v)]
+        hop = comm.RingStep(block, shapes, [k, v], group) if t < n - 1 else None
+        k_t, v_t = (k, v) if t == 0 else block
+        attend_into(out, lse, q, k_t, v_t, steps[t], scale, backend)
+        if hop is not None:
+            block = hop.wait()
+    return out, lse
+
+
 class RingKVAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sched: RingSchedule, mask, scale, backend, group):
-        me, n, hkv = comm.rank(group), comm.size(group), k.shape[1]
-        kv = torch.cat([k, v], 1)
-        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=acc_dtype, device=q.device)
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc_dtype, device=q.device)
-        block = kv.index_select(0, sched.own_block_rows.to(kv.device))
-        for t in range(n):
-            hop = comm.RingStep([block], [_block_shape(sched, me - t - 1, kv)], [kv], group) if t < n - 1 else None
-            k_t, v_t = (k, v) if t == 0 else block.split(hkv, 1)
-            if len(sched.step_slices[t]):
-                kernels.merge_into(out, lse, *kernels.attend(q, k_t, v_t, sched.step_slices[t], mask, scale, backend))
-            if hop is not None:
-                block = hop.wait()[0]
-        out = out.to(q.dtype)
-        lse = lse.float() if acc_dtype == torch.float32 else lse
+        steps = [[(s, mask)] for s in sched.step_slices]
+        out, lse = ring_forward(q, k, v, sched.own_block_rows, sched.block_sizes, steps, scale, backend, group)
+        out = out.to(q.dtype)  # lse stays fp32 (fp64 for fp64 inputs)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.setup = (sched, mask, scale, backend, group)
         ctx.mark_non_differentiable(lse)

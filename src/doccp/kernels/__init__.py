@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from doccp.kernels import reference
+from doccp.kernels import cpu, cuda, reference
 from doccp.kernels.merge import merge, merge_into
 from doccp.kernels.slices import Slices, doc_slices, pair_slices
 from doccp.masks import Mask
@@ -25,18 +25,23 @@ __all__ = ["attend", "attend_backward", "merge", "merge_into", "Slices", "doc_sl
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
-#: name -> (forward, backward); the cpu and cuda backends register themselves on import.
+#: name -> (forward, backward). ``cuda`` is registered only where CUDA and flash varlen exist.
 BACKENDS: dict[str, tuple[Forward, Backward]] = {
     "reference": (reference.attend, reference.attend_backward),
+    "cpu": (cpu.attend, cpu.attend_backward),
 }
+if cuda.available():
+    BACKENDS["cuda"] = (cuda.attend, cuda.attend_backward)
 
 
 def resolve_backend(backend: str, q: torch.Tensor) -> str:
-    """``auto`` -> the best backend registered for ``q``'s device and dtype."""
+    """``auto`` -> the best backend registered for ``q``'s device and dtype: ``cuda`` for
+    fp16/bf16 CUDA tensors, ``cpu`` for CPU tensors, ``reference`` for float64 and for what
+    neither covers (fp32 on CUDA: flash attention has no fp32 kernel)."""
     if backend == "auto":
         if q.dtype == torch.float64:
             return "reference"
-        if q.is_cuda and "cuda" in BACKENDS:
+        if q.is_cuda and "cuda" in BACKENDS and q.dtype in cuda.DTYPES:
             return "cuda"
         if q.device.type == "cpu" and "cpu" in BACKENDS:
             return "cpu"

@@ -1,0 +1,42 @@
+"""A ring step's work: one or more ``(slices, mask)`` parts against the same q and k/v buffers.
+
+Training needs one part per step (the plan's mask). Inference adds a second one: key rows
+whose positions are not consecutive (decoded tokens spread round-robin over ranks) but are
+all visible to the queries are attended with :meth:`Mask.full` in one slice, instead of one
+slice per token. Parts of the same query rows merge by LSE in fp32 like any partial result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from doccp import kernels
+from doccp.kernels.slices import Slices
+from doccp.masks import Mask
+
+Work = list[tuple[Slices, Mask]]
+
+
+def accumulators(q: torch.Tensor, rows: int | None = None, dim: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty fp32 (fp64 for fp64 q) ``out [rows, Hq, dim]`` and ``lse [Hq, rows]`` (0 and -inf)."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rows = q.shape[0] if rows is None else rows
+    out = torch.zeros(rows, q.shape[1], q.shape[2] if dim is None else dim, dtype=dtype, device=q.device)
+    return out, torch.full((q.shape[1], rows), float("-inf"), dtype=dtype, device=q.device)
+
+
+def attend_into(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                work: Work, scale: float, backend: str) -> None:
+    """Merge every part of ``work`` (q rows vs k/v rows) into the accumulators in place."""
+    for slices, mask in work:
+        if len(slices):
+            kernels.merge_into(out, lse, *kernels.attend(q, k, v, slices, mask, scale, backend))
+
+
+def attend_work(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, work: Work, scale: float, backend: str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial out/lse of all q rows over ``work`` (rows in no slice: 0 / -inf), in fp32."""
+    out, lse = accumulators(q, dim=v.shape[2])
+    attend_into(out, lse, q, k, v, work, scale, backend)
+    return out, lse

@@ -1,0 +1,110 @@
+"""prefill: new tokens attend to their sequence's cached and new keys, across the CP ranks.
+
+The plan's layout is the *new* tokens (document b = the new part of sequence b, possibly
+empty); their absolute positions continue from each sequence's cached length, and the mask
+applies to those absolute positions. The new K/V are appended to the cache first (where
+the plan put the tokens), so afterwards every rank's keys are simply its cache rows::
+
+    sequence of 10 cached + 6 new tokens, N = 2, causal
+    rank 0 cache   0 1 2 3 4 | 10 11 12        queries of rank 0: 10 11 12
+    rank 1 cache   5 6 7 8 9 | 13 14 15        queries of rank 1: 13 14 15
+
+    pass_kv: rank 1's rows (cached and new K/V) travel to rank 0, rank 0's to rank 1
+    pass_q:  rank 0's queries travel to rank 1; their partial out/lse come back and merge
+
+Each rank's block (what travels) is only what some other rank can see: the keys (pass-KV)
+or queries (pass-Q) within the band of another rank's queries (keys) of the same sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from doccp import comm
+from doccp.algorithms import _problem as attention_problem
+from doccp.algorithms.ring_kv import ring_forward
+from doccp.algorithms.ring_q import ring_pass_q
+from doccp.inference.cache import ShardedKVCache
+from doccp.inference.heuristic import choose_prefill_algorithm
+from doccp.inference.runs import BIG, Runs, offsets_within, work
+from doccp.kernels import default_scale
+from doccp.plan import Plan
+
+ALGORITHMS = ("pass_kv", "pass_q")
+
+
+def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, cache: ShardedKVCache,
+            group: dist.ProcessGroup | None = None, algorithm: str = "auto", scale: float | None = None,
+            backend: str = "auto", return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of this rank's new tokens over cached + new keys; appends the new KV.
+
+    q ``[T_local, Hq, D]``, k/v ``[T_local, Hkv, D]`` are this rank's shards of the new tokens
+    (``doccp.shard(x, plan, rank)``); ``plan.layout`` has one document per sequence of the
+    cache (zero-length for sequences without new tokens) and ``plan.mask`` is the mask. With
+    an empty cache this is a full prefill. ``algorithm``: ``"pass_kv"``, ``"pass_q"`` or
+    ``"auto"`` (:func:`choose_prefill_algorithm`). Returns out ``[T_local, Hq, D]`` and, with
+    ``return_lse``, lse ``[Hq, T_local]`` (fp32). Bad input raises the same error on every rank.
+    """
+    me = comm.rank(group)
+    problem = _problem(q, k, v, plan, cache, group, algorithm, backend, me)
+    key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, q.device, k.device,
+           v.device, algorithm, backend, *((cache.uid, cache.num_seqs) if isinstance(cache, ShardedKVCache) else ()))
+    comm.agree(problem, group, owner=plan, key=key)
+    n = plan.world_size
+    offset = cache.lengths if cache.num_seqs is not None else torch.zeros(plan.layout.num_docs, dtype=torch.int64)
+    if algorithm == "auto":
+        new = plan.layout.lengths
+        algorithm = choose_prefill_algorithm(int(new.sum()), int(offset[new > 0].sum()), n, q.shape[1], k.shape[1],
+                                             dtype=q.dtype, head_dim=q.shape[2], group=group, device=q.device)
+    cache.append(k, v, plan)
+    p = plan.all_pieces
+    queries = Runs(p.rank, p.doc, offsets_within(p.rank, p.length), offset[p.doc] + p.start, p.length,
+                   torch.ones_like(p.doc))
+    run = _pass_kv if algorithm == "pass_kv" else _pass_q
+    out, lse = run(q, cache, queries, default_scale(q, scale), backend, group)
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def _pass_kv(q, cache: ShardedKVCache, queries: Runs, scale, backend, group):
+    me, n, mask, seqs = cache.rank, cache.world_size, cache.mask, cache.num_seqs
+    lo, hi = queries.hull(n * seqs, queries.rank * seqs + queries.doc, mask.left_bound, mask.right_bound)
+    blocks = [_clip_to_others(cache.runs.select(cache.runs.rank == s), lo, hi, s, n) for s in range(n)]
+    local = queries.select(queries.rank == me)
+    steps = [work(local, cache.local_runs(), mask)]
+    steps += [work(local, blocks[(me - t) % n].packed(), mask) for t in range(1, n)]
+    sizes = [int(b.length.sum()) for b in blocks]
+    return ring_forward(q, cache.k, cache.v, cache.buffer_rows(blocks[me]), sizes, steps, scale, backend, group)
+
+
+def _pass_q(q, cache: ShardedKVCache, queries: Runs, scale, backend, group):
+    me, n, mask, seqs = cache.rank, cache.world_size, cache.mask, cache.num_seqs
+    keys = cache.runs
+    lo, hi = keys.hull(n * seqs, keys.rank * seqs + keys.doc, mask.right_bound, mask.left_bound)
+    blocks = [_clip_to_others(queries.select(queries.rank == s), lo, hi, s, n) for s in range(n)]
+    local, own_keys = queries.select(queries.rank == me), cache.local_runs()
+    steps = [work(local, own_keys, mask)]
+    steps += [work(blocks[(me - t) % n].packed(), own_keys, mask) for t in range(1, n)]
+    sizes = [int(b.length.sum()) for b in blocks]
+    return ring_pass_q(q, cache.k, cache.v, blocks[me].rows(), sizes, steps, scale, backend, group)
+
+
+def _clip_to_others(runs: Runs, lo: torch.Tensor, hi: torch.Tensor, rank: int, n: int) -> Runs:
+    """``runs`` of ``rank`` clipped, per sequence, to the hull ``[lo, hi)`` of all other ranks
+    (``lo``/``hi`` are ``[n * seqs]`` hulls per (rank, sequence))."""
+    lo, hi = lo.view(n, -1).clone(), hi.view(n, -1).clone()
+    lo[rank], hi[rank] = BIG, -BIG
+    return runs.clip(lo.min(0).values[runs.doc], hi.max(0).values[runs.doc])
+
+
+def _problem(q, k, v, plan, cache, group, algorithm, backend, me) -> BaseException | None:
+    """The first thing wrong with the arguments on this rank (returned, not raised)."""
+    problem = attention_problem(q, k, v, plan, group, "auto", backend, me)
+    if problem is not None:
+        return problem
+    if not isinstance(cache, ShardedKVCache):
+        return TypeError(f"cache must be a doccp.ShardedKVCache, got {type(cache).__name__}")
+    if algorithm != "auto" and algorithm not in ALGORITHMS:
+        return ValueError(f"algorithm must be 'auto' or one of {list(ALGORITHMS)}, got {algorithm!r}")
+    return cache.problem(group, k, plan)
