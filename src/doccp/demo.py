@@ -38,7 +38,7 @@ from doccp.corpus import VOCAB, next_token_targets
 from doccp.inference import ShardedKVCache, decode, prefill
 from doccp.layout import DocLayout
 from doccp.masks import Mask
-from doccp.nn import TinyLM, apply_rope
+from doccp.nn import TinyLM
 from doccp.plan import Plan
 
 #: The tiny model: LLaMA-style blocks (RMSNorm, RoPE on document positions, GQA, SwiGLU).
@@ -194,22 +194,6 @@ def cp_rank(rank: int, work: Workload, tick: Callable[[], None] | None = None,
     return {"train": train, "generate": runs}
 
 
-def lm_logits(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
-              attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``TinyLM``'s forward on any tokens, with each layer's attention done by
-    ``attend(layer, q, k, v)``: how a cache-backed call (prefill, decode) plugs in."""
-    x = model.embed(tokens)
-    for i, block in enumerate(model.blocks):
-        a, t = block.attn, x.shape[0]
-        h = block.attn_norm(x)
-        q = apply_rope(a.wq(h).view(t, a.n_heads, a.head_dim), positions, a.rope_base)
-        k = apply_rope(a.wk(h).view(t, a.n_kv_heads, a.head_dim), positions, a.rope_base)
-        v = a.wv(h).view(t, a.n_kv_heads, a.head_dim)
-        x = x + a.wo(attend(i, q, k, v).reshape(t, -1))
-        x = x + block.mlp(block.mlp_norm(x))
-    return model.head(model.norm(x))
-
-
 @torch.no_grad()
 def generate_cp(rank: int, model: torch.nn.Module, plan: Plan, tokens: torch.Tensor, steps: int, algorithm: str,
                 group: dist.ProcessGroup | None = None) -> dict:
@@ -221,8 +205,8 @@ def generate_cp(rank: int, model: torch.nn.Module, plan: Plan, tokens: torch.Ten
     with comm.measure() as traffic:
         _sync(tokens.device)
         start = time.perf_counter()
-        logits = lm_logits(model, tokens, plan.positions(rank).to(tokens.device),
-                           lambda i, q, k, v: prefill(q, k, v, plan, caches[i], group, algorithm=algorithm))
+        logits = model(tokens, positions=plan.positions(rank).to(tokens.device),
+                       attend=lambda i, q, k, v: prefill(q, k, v, plan, caches[i], group, algorithm=algorithm))
         logits = doccp.unshard(logits, plan, group)[last.to(tokens.device)]
         _sync(tokens.device)
         prefilled = time.perf_counter()
@@ -230,8 +214,8 @@ def generate_cp(rank: int, model: torch.nn.Module, plan: Plan, tokens: torch.Ten
         for _ in range(steps - 1):
             token = chosen[-1].argmax(-1)
             positions = caches[0].lengths.to(tokens.device)  # right after each sequence's cached tokens
-            chosen.append(lm_logits(model, token, positions,
-                                    lambda i, q, k, v: decode(q, k, v, caches[i], group, gather=True)))
+            chosen.append(model(token, positions=positions,
+                                attend=lambda i, q, k, v: decode(q, k, v, caches[i], group, gather=True)))
         _sync(tokens.device)
         done = time.perf_counter()
     logits = torch.stack(chosen).cpu()
