@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     mixes = json.loads(Path(args.mixes).read_text())["mixes"]
     configs = [(s, a) for s in ("head_tail", "balanced") for a in ("allgather", "ring_kv")]
 
-    cmd = "python bench/cp.py" + (" --quick" if args.quick else "")
+    cmd = " ".join(["python bench/cp.py", *(sys.argv[1:] if argv is None else argv)])
     print("## Distributed CP attention (training, fwd+bwd)\n")
     print(f"`{cmd}` — T={tokens} (first layout of each mix, cropped), H={H}, Hkv={HKV}, D={D}, fp32, causal, "
           f"gloo on {cores} CPU cores, torch threads per rank = cores / ranks, median of {repeats}. "
