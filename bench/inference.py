@@ -20,6 +20,7 @@ Prints a markdown section on stdout.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -124,7 +125,7 @@ def worker(rank: int, args: argparse.Namespace) -> dict:
     return {"calibration": cal, "prefill": prefill, "decode": decode}
 
 
-def report(args: argparse.Namespace, result: dict, argv: list[str]) -> str:
+def report(args: argparse.Namespace, result: dict, argv: list[str], load: tuple[float, float]) -> str:
     cal = result["calibration"]
     e = torch.empty(0, dtype=DTYPE).element_size()
     threshold = WORLD_SIZE * cal.flops * HKV * e / (2 * H * cal.bandwidth)
@@ -132,7 +133,9 @@ def report(args: argparse.Namespace, result: dict, argv: list[str]) -> str:
     lines = [
         "## Inference", "",
         f"Reproduce: `{command}` ({WORLD_SIZE} spawned gloo ranks on CPU, 1 thread each; one sequence, causal; "
-        f"H={H} query heads, Hkv={HKV} KV heads, D={D}, fp32).", "",
+        f"H={H} query heads, Hkv={HKV} KV heads, D={D}, fp32). Machine: {os.cpu_count()} cores, load average "
+        f"{load[0]:.1f} before and {load[1]:.1f} after the run (other jobs share the cores: near-ties flip "
+        "from run to run).", "",
         f"Calibration on the group: attention C = {cal.flops / 1e9:.1f} GFLOP/s per rank, ring hop "
         f"BW = {cal.bandwidth / 1e9:.2f} GB/s, overlap = {cal.overlap:.2f} (hidden fraction of a hop posted before "
         f"compute). With perfect overlap, Algorithm 5 would hide pass-KV's transfer from "
@@ -175,8 +178,9 @@ def report(args: argparse.Namespace, result: dict, argv: list[str]) -> str:
 def main(argv: list[str] | None = None) -> str:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    before = os.getloadavg()[0]
     result = spawn(worker, WORLD_SIZE, args, threads=1, timeout_s=3600)[0]
-    text = report(args, result, argv)
+    text = report(args, result, argv, (before, os.getloadavg()[0]))
     print(text)
     return text
 

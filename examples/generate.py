@@ -5,11 +5,12 @@
 
 A tiny LLaMA-style model (``doccp.nn.TinyLM`` with fixed random weights) reads a batch of
 prompts of different lengths. ``doccp.plan`` spreads the prompts' tokens over the ranks;
-each layer's ``doccp.prefill`` attends every token to its whole prompt and leaves the K/V
-in that layer's ``doccp.ShardedKVCache``. Then every step feeds one token per prompt: each
-layer's ``doccp.decode`` attends it to the cache spread over all ranks and caches its K/V
-on one rank (round-robin). RoPE positions are per document: a token's position is its
-sequence's cached length plus its place among the new tokens.
+each layer's ``doccp.prefill`` (plugged in through the model's ``attend`` hook) attends
+every token to its whole prompt and leaves the K/V in that layer's ``doccp.ShardedKVCache``.
+Then every step feeds one token per prompt: each layer's ``doccp.decode`` attends it to the
+cache spread over all ranks and caches its K/V on one rank (round-robin). RoPE positions
+are per document: a token's position is its sequence's cached length plus its place among
+the new tokens.
 
 The generated tokens are compared with the same model run in one process without CP or a
 cache (the whole sequences recomputed each step).
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +27,10 @@ import torch.distributed as dist
 
 import doccp
 from doccp.launch import spawn
-from doccp.nn import Block, TinyLM, apply_rope
+from doccp.nn import TinyLM
 
 VOCAB = 256
 PROMPT_LENGTHS = (23, 5, 41, 12)
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (layer, q, k, v) -> out
 
 
 @dataclass
@@ -51,25 +50,6 @@ def make_prompts(lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
     return [torch.randint(VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def block_forward(block: Block, x: torch.Tensor, positions: torch.Tensor,
-                  attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """One transformer block on ``x [T, dim]`` (any T tokens) with attention done by ``attend``."""
-    a, t = block.attn, x.shape[0]
-    h = block.attn_norm(x)
-    q = apply_rope(a.wq(h).view(t, a.n_heads, a.head_dim), positions, a.rope_base)
-    k = apply_rope(a.wk(h).view(t, a.n_kv_heads, a.head_dim), positions, a.rope_base)
-    v = a.wv(h).view(t, a.n_kv_heads, a.head_dim)
-    x = x + a.wo(attend(q, k, v).reshape(t, -1))
-    return x + block.mlp(block.mlp_norm(x))
-
-
-def logits_of(model: TinyLM, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-    x = model.embed(tokens)
-    for i, block in enumerate(model.blocks):
-        x = block_forward(block, x, positions, lambda q, k, v, i=i: attend(i, q, k, v))
-    return model.head(model.norm(x))
-
-
 @torch.no_grad()
 def generate_cp(rank: int, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """This rank's part of CP generation (call on every rank of the default group)."""
@@ -81,8 +61,8 @@ def generate_cp(rank: int, prompts: list[list[int]], new_tokens: int) -> list[li
     layout = doccp.DocLayout.from_lengths([len(p) for p in prompts])
     plan = doccp.plan(layout, world_size, model.mask)
     tokens = doccp.shard(torch.tensor(sum(prompts, [])), plan, rank)
-    logits = logits_of(model, tokens, plan.positions(rank),
-                       lambda i, q, k, v: doccp.prefill(q, k, v, plan, caches[i]))
+    logits = model(tokens, positions=plan.positions(rank),
+                   attend=lambda i, q, k, v: doccp.prefill(q, k, v, plan, caches[i]))
     last = doccp.unshard(logits, plan)[layout.cu_seqlens[1:] - 1]  # each prompt's last token, on every rank
     token = last.argmax(-1)
 
@@ -90,8 +70,8 @@ def generate_cp(rank: int, prompts: list[list[int]], new_tokens: int) -> list[li
     generated = [token]
     for _ in range(new_tokens - 1):
         positions = caches[0].lengths  # each token sits right after its sequence's cached ones
-        logits = logits_of(model, token, positions,
-                           lambda i, q, k, v: doccp.decode(q, k, v, caches[i], gather=True))
+        logits = model(token, positions=positions,
+                       attend=lambda i, q, k, v: doccp.decode(q, k, v, caches[i], gather=True))
         token = logits.argmax(-1)
         generated.append(token)
     return torch.stack(generated, 1).tolist()

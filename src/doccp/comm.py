@@ -160,8 +160,9 @@ def agree(problem: BaseException | None, group: dist.ProcessGroup | None, owner:
         if problem is not None:
             raise problem
         return
+    members = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))  # ids can be reused; ranks can't lie
     seen = _validated.get(owner) if owner is not None else None
-    if problem is None and seen is not None and (id(group), key) in seen:
+    if problem is None and seen is not None and (members, key) in seen:
         return
     found = [None] * size(group)
     dist.all_gather_object(found, None if problem is None else (type(problem).__name__, str(problem)), group=group)
@@ -171,7 +172,7 @@ def agree(problem: BaseException | None, group: dist.ProcessGroup | None, owner:
             cls = TypeError if kind == "TypeError" else ValueError
             raise cls(message if r == rank(group) else f"{message} (reported by rank {r} of the group)")
     if owner is not None:
-        _validated.setdefault(owner, set()).add((id(group), key))
+        _validated.setdefault(owner, set()).add((members, key))
 
 
 def check_group(world_size: int, group: dist.ProcessGroup | None, what: str = "plan") -> BaseException | None:
