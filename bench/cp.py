@@ -146,12 +146,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--no-flex", action="store_true", help="skip the FlexAttention CP baseline")
     ap.add_argument("--mixes", default=str(MIXES))
+    ap.add_argument("--only", default="", help="comma-separated mix names (default: all)")
     args = ap.parse_args(argv)
     tokens = args.tokens or (8192 if args.quick else 32768)
     repeats = args.repeats or (2 if args.quick else 5)
     world_sizes = [2] if args.quick else [2, 4]
     cores = os.cpu_count() or 1
     mixes = json.loads(Path(args.mixes).read_text())["mixes"]
+    if args.only:
+        mixes = {m: mixes[m] for m in args.only.split(",")}
     configs = [(s, a) for s in ("head_tail", "balanced") for a in ("allgather", "ring_kv")]
 
     cmd = " ".join(["python bench/cp.py", *(sys.argv[1:] if argv is None else argv)])
@@ -161,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
           "Speedup = one process (`varlen_attention`, all cores) / CP time. "
           "KV recv = bytes of K and V a rank receives in the forward pass / a full all-gather of K and V.\n")
     rows, checks, flex_rows = [], [], []
+    print("| mix | ranks | strategy | algorithm | 1 process (ms) | CP (ms) | speedup | KV recv / all-gather |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
     for mix, layouts in mixes.items():
         lengths = crop(layouts[0], tokens)
         base = spawn(single, 1, lengths, repeats, threads=cores)[0]
@@ -170,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
                 seconds = max(r[cfg][0] for r in per_rank)
                 kv = max(r[cfg][1] / max(r[cfg][2], 1) for r in per_rank)
                 rows.append((mix, n, *cfg, base, seconds, base / seconds, kv))
+                print(f"| {mix} | {n} | {cfg[0]} | {cfg[1]} | {base * 1e3:.1f} | {seconds * 1e3:.1f} | "
+                      f"{base / seconds:.2f}x | {kv:.1%} |", flush=True)
             if not args.no_flex and not args.quick:
                 try:
                     seconds, pad = spawn(flex_forward, n, n, lengths, repeats, threads=max(1, cores // n),
@@ -178,11 +185,6 @@ def main(argv: list[str] | None = None) -> None:
                 except Exception as e:  # report, don't hide, a baseline that does not run here
                     flex_rows.append((mix, n, f"did not run: {str(e).splitlines()[0][:120]}", "-"))
         print(f"mix `{mix}`: {len(lengths)} documents", file=sys.stderr)
-    print("| mix | ranks | strategy | algorithm | 1 process (ms) | CP (ms) | speedup | KV recv / all-gather |")
-    print("|---|---|---|---|---|---|---|---|")
-    for mix, n, strategy, algorithm, base, seconds, speedup, kv in rows:
-        print(f"| {mix} | {n} | {strategy} | {algorithm} | {base * 1e3:.1f} | {seconds * 1e3:.1f} | "
-              f"{speedup:.2f}x | {kv:.1%} |")
     for mix in ("sft", "pretrain"):
         best = max((r for r in rows if r[0] == mix and r[1] == 2 and r[2] == "balanced"), key=lambda r: r[6],
                    default=None)

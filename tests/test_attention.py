@@ -180,3 +180,13 @@ def fail_on_rank_1(rank: int) -> int:
 def test_worker_errors_name_the_rank():
     with pytest.raises(WorkerError, match="rank 1 raised ValueError: boom"):
         spawn(fail_on_rank_1, 2)
+
+
+def test_auto_rule_prefers_allgather_on_cpu_and_weighs_volume_on_gpu():
+    from doccp.algorithms import choose_algorithm
+
+    split = doccp.plan(DocLayout.from_lengths([100, 50, 7]), 2, strategy="head_tail")
+    assert choose_algorithm(split, "cpu") == "allgather"  # gloo hops do not overlap compute
+    assert choose_algorithm(split, "cuda") == "ring_kv"  # ring volume == all-gather volume here
+    whole = doccp.plan(DocLayout.from_lengths([5, 5]), 2, strategy="contiguous")
+    assert choose_algorithm(whole, "cuda") == "allgather"  # nothing to move at all

@@ -32,13 +32,16 @@ def predicted_kv_tokens(plan: Plan, algorithm: str) -> list[int]:
     return [sum(sizes) - own for own in sizes]
 
 
-def choose_algorithm(plan: Plan) -> str:
+def choose_algorithm(plan: Plan, device: torch.device | str | None = None) -> str:
     """The ``auto`` rule: all-gather moves the minimal bytes but all before compute; the ring
     moves every block to every rank but hides each hop behind a step's compute. Pick the
     ring when its volume is at most ``RING_VOLUME_RATIO`` x the all-gather's (so the overlap
-    pays for the extra bytes) and there is anything to move at all; else all-gather."""
+    pays for the extra bytes) and there is anything to move at all; else all-gather.
+
+    On CPU (gloo) a hop does not overlap compute (measured: bench/cp.py, bench/inference.py),
+    so the all-gather is always at least as fast there and is chosen."""
     ag = max(predicted_kv_tokens(plan, "allgather"), default=0)
-    if plan.world_size == 1 or ag == 0:
+    if plan.world_size == 1 or ag == 0 or torch.device(device or "cpu").type == "cpu":
         return "allgather"
     ring = max(predicted_kv_tokens(plan, "ring_kv"))
     return "ring_kv" if ring <= RING_VOLUME_RATIO * ag else "allgather"
@@ -62,7 +65,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
            q.device, k.device, v.device, algorithm, backend)
     comm.agree(problem, group, owner=plan, key=key)
     if algorithm == "auto":
-        algorithm = choose_algorithm(plan)
+        algorithm = choose_algorithm(plan, q.device)
     sched = schedule(plan, me, algorithm)
     out, lse = ALGORITHMS[algorithm].apply(q, k, v, sched, plan.mask, default_scale(q, scale), backend, group)
     return (out, lse) if return_lse else out
