@@ -38,3 +38,17 @@ def random_lengths(rng, num_docs: int, max_len: int) -> list[int]:
     for i in range(0, num_docs, 4):
         lengths[i] = [0, 1, 2][i // 4 % 3]
     return lengths
+
+
+def expect_errors(calls: dict, rank: int) -> list[str]:
+    """Run every bad call; each must raise ValueError/TypeError (on every rank: the callers
+    run this inside spawned groups). Returns ``"name: message"`` per call, in order."""
+    messages = []
+    for name, call in calls.items():
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            messages.append(f"{name}: {e}")
+        else:
+            raise AssertionError(f"{name}: no error on rank {rank}")
+    return messages
