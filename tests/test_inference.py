@@ -216,8 +216,8 @@ def test_cache_grows_geometrically():
 
 @pytest.mark.parametrize("solo_keys", [1, 1 << 30])
 def test_decode_one_process(monkeypatch, solo_keys):
-    """N = 1, no group: decode with long key ranges run alone (1) or batched (2**30)."""
-    monkeypatch.setattr(sys.modules["doccp.inference.decode"], "SOLO_KEYS", solo_keys)
+    """N = 1, no group: decode with the cpu backend running key ranges alone (1) or batched (2**30)."""
+    monkeypatch.setattr(sys.modules["doccp.kernels.cpu"], "SOLO_KEYS", solo_keys)
     case = Case((("prefill", (30, 0, 12)), ("decode", 4)), Mask.sliding_window(9), "pass_kv", seed=7)
     check([run_cases(0, 1, [case])], [case], 1)
 

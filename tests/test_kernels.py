@@ -283,6 +283,22 @@ def test_cpu_batches_same_shape_slices(monkeypatch):
     assert calls.count("_FORWARD") <= 8 and calls.count("_BACKWARD") <= 8
 
 
+def test_cpu_runs_long_key_slices_one_by_one(monkeypatch):
+    """Equal-shape pieces with SOLO_KEYS keys or more run one call each (no gathered copy of
+    their keys), and the result stays exact."""
+    calls = []
+    for name in ("_FORWARD", "_BACKWARD"):
+        op = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a, _op=op, _n=name, **kw: calls.append((_n, a[2].shape[0])) or
+                            _op(*a, **kw))
+    monkeypatch.setattr(cpu, "SOLO_KEYS", 8)
+    layout = DocLayout.from_lengths([8, 8, 8, 4, 4])  # three of length 8: solo; two of 4: one batch
+    q, k, v, dout = qkv(layout.num_tokens, layout.num_tokens, 4, 2, 32, torch.float32)
+    check_attend(q, k, v, dout, doc_slices(layout.cu_seqlens), Mask.full(), "cpu")
+    for name in ("_FORWARD", "_BACKWARD"):
+        assert sorted(batch for n, batch in calls if n == name) == [1, 1, 1, 2]
+
+
 def test_merge_rows_is_nan_free():
     rows = torch.tensor([0, 0, 2])
     out = torch.randn(3, 2, 4)
@@ -342,8 +358,8 @@ def test_cuda_slice_logic_with_fake_flash(monkeypatch):
     CPU with the two flash kernels replaced by float64 models of their semantics. (The real
     kernels are only exercised by the tests marked needs_cuda.)"""
     monkeypatch.setattr(cuda, "_check", lambda q: None)
-    monkeypatch.setattr(cuda, "varlen_attn", fake_varlen_attn)
-    monkeypatch.setattr(cuda, "AuxRequest", lambda lse: type("Aux", (), {"lse": lse})())
+    aux_request = lambda lse: type("Aux", (), {"lse": lse})()  # noqa: E731
+    monkeypatch.setattr(cuda, "_varlen", lambda: (fake_varlen_attn, aux_request))
     monkeypatch.setattr(cuda, "_FLASH_BACKWARD", fake_flash_backward)
     monkeypatch.setitem(BACKENDS, "fake_cuda", (cuda.attend, cuda.attend_backward))
     for seed in range(5):

@@ -66,12 +66,6 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: ShardedKVCa
     return (out, lse) if return_lse else out
 
 
-#: Key rows from which a decode slice runs in its own kernel call on views instead of in a
-#: batched call that gathers (copies) its keys; measured on CPU: 3x faster at 16k keys, and
-#: slower than the gather below ~8k.
-SOLO_KEYS = 8192
-
-
 def _attend_grouped(q: torch.Tensor, cache: ShardedKVCache, parts: Work, scale: float, backend: str
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial out/lse of one query row per sequence, with the G = Hq/Hkv query heads that
@@ -85,13 +79,7 @@ def _attend_grouped(q: torch.Tensor, cache: ShardedKVCache, parts: Work, scale: 
     slices = Slices.cat([s for s, _ in parts])
     grouped = Slices(slices.q_start * g, slices.q_end * g, slices.k_start, slices.k_end, slices.q_pos0,
                      slices.k_pos0)
-    # The kernels batch equal-shape slices by gathering their rows: a copy of every key each
-    # step. Long key ranges run one by one on views instead.
-    solo = (grouped.k_end - grouped.k_start >= SOLO_KEYS).nonzero().flatten().tolist()
-    full = Mask.full()
-    batched = grouped.select(grouped.k_end - grouped.k_start < SOLO_KEYS)
-    parts = [(batched, full)] + [(grouped.select(slice(i, i + 1)), full) for i in solo]
-    out, lse = attend_work(rows, cache.k, cache.v, parts, scale, backend)
+    out, lse = attend_work(rows, cache.k, cache.v, [(grouped, Mask.full())], scale, backend)
     out = out.view(b, g, hkv, d).transpose(1, 2).reshape(b, hq, d)
     return out, lse.view(hkv, b, g).transpose(1, 2).reshape(hq, b)
 

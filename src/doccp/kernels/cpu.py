@@ -22,8 +22,9 @@ other and becomes one *piece*, or a few, of three kinds::
 A causal document is one C piece, a full one one R piece, a windowed one a C piece for
 its first block, then M blocks. Pieces of equal ``(kind, m, n, diagonals)`` run as ONE
 batched kernel call, so thousands of short documents cost one call per distinct length,
-and all interior blocks of all windowed documents cost one call. Pieces sharing query rows
-merge by log-sum-exp in fp32.
+and all interior blocks of all windowed documents cost one call (batching gathers the rows:
+pieces with ``SOLO_KEYS`` keys or more, where that copy would cost more than the calls it
+saves, run one call each on views). Pieces sharing query rows merge by log-sum-exp in fp32.
 
 The backward calls the kernel's backward per piece with the *final* merged out and lse:
 it computes ``D = rowsum(dO * O)`` and ``P = exp(S - lse)`` from them, which is exactly the
@@ -52,6 +53,10 @@ BAND_BLOCK = 256
 CAUSAL_MIN = 1024
 #: Larger explicit masks (elements) are avoided by cutting the piece into zones instead.
 MASK_MAX = 1 << 20
+#: Pieces with at least this many keys run one call each on views instead of one batched call
+#: that gathers (copies) their keys: measured with one query row per piece (decode), the copy
+#: makes the batch 3x slower at 16k keys and is cheaper than the extra calls below ~8k.
+SOLO_KEYS = 8192
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -149,7 +154,8 @@ class Pieces:
         return "tiles" if int(length.sum()) == total else "disjoint"
 
     def groups(self, dtype: torch.dtype) -> Iterator[tuple[bool, torch.Tensor | None, _Rows, _Rows]]:
-        """``(causal flag, mask, rows, keys)`` per distinct piece shape: one batched call each."""
+        """``(causal flag, mask, rows, keys)`` per distinct piece shape: one batched call each
+        (one call per piece from ``SOLO_KEYS`` keys)."""
         if not len(self):
             return
         fields = torch.stack([self.kind, self.m, self.n, self.lo, self.hi], 1)
@@ -161,9 +167,10 @@ class Pieces:
         bounds = [*first.nonzero().flatten().tolist(), len(self)]
         for start, end in zip(bounds[:-1], bounds[1:], strict=True):
             kind, m, n, lo, hi = fields[start].tolist()
-            members = order[start:end]
             band = _band(m, n, lo, hi, dtype) if kind == MASKED else None
-            yield kind == CAUSAL, band, _Rows(self.q0[members], m), _Rows(self.k0[members], n)
+            members = order[start:end]
+            for batch in (members,) if n < SOLO_KEYS else members.split(1):
+                yield kind == CAUSAL, band, _Rows(self.q0[batch], m), _Rows(self.k0[batch], n)
 
 
 @functools.lru_cache(maxsize=16)  # at most 16 * MASK_MAX elements

@@ -22,16 +22,13 @@ are ``-inf`` as everywhere in doccp, and converted back for the backward.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from doccp.kernels.cpu import merge_rows, trim
 from doccp.kernels.slices import Slices
 from doccp.masks import Mask
-
-try:  # torch >= 2.10
-    from torch.nn.attention.varlen import AuxRequest, varlen_attn
-except ImportError:  # pragma: no cover - older torch: the backend is simply not registered
-    AuxRequest = varlen_attn = None
 
 DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_BACKWARD = torch.ops.aten._flash_attention_backward  # what varlen_attn's own backward calls
@@ -40,7 +37,18 @@ Window = tuple[int, int]
 
 def available() -> bool:
     """Registered only where CUDA and torch's flash varlen both exist."""
-    return varlen_attn is not None and torch.cuda.is_available()
+    return torch.cuda.is_available() and _varlen() is not None
+
+
+@functools.cache
+def _varlen():
+    """``(varlen_attn, AuxRequest)``, or None before torch 2.10. Imported on first use: the
+    module pulls in dynamo (~1.5 s), which CPU-only processes (every spawned rank) skip."""
+    try:
+        from torch.nn.attention.varlen import AuxRequest, varlen_attn
+    except ImportError:  # pragma: no cover - older torch: the backend is simply not registered
+        return None
+    return varlen_attn, AuxRequest
 
 
 def _check(q: torch.Tensor) -> None:
@@ -77,6 +85,7 @@ def varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def _forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, window: Window, scale):
+    varlen_attn, AuxRequest = _varlen()
     out, lse = varlen_attn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
                            return_aux=AuxRequest(lse=True), scale=scale, window_size=window,
                            enable_gqa=q.shape[1] != k.shape[1])
