@@ -4,7 +4,8 @@ For the first layout of each mix (cropped to T tokens): fwd+bwd time of every al
 strategy at 2 and 4 ranks, the speedup over one process running ``varlen_attention`` on
 the whole stream (all cores), and the KV bytes each rank receives vs a full all-gather of
 K and V. Torch threads per rank = cores / ranks. Optionally PyTorch's FlexAttention CP
-(forward only on CPU) on the same inputs.
+(forward only on CPU) on the same inputs, next to
+doccp's forward-only time.
 
     python bench/cp.py            # full run
     python bench/cp.py --quick    # smaller, for a smoke test
@@ -85,11 +86,16 @@ def distributed(rank: int, world_size: int, lengths: list[int], configs: list[tu
             out = doccp.attention(q, k, v, plan, algorithm=algorithm)
             out.backward(dout)
 
-        seconds = timed(step, repeats, barrier=True)
-        with comm.measure() as fwd:
+        def forward(plan=plan, q=q, k=k, v=v, algorithm=algorithm):
             doccp.attention(q.detach(), k.detach(), v.detach(), plan, algorithm=algorithm)
+
+        seconds = timed(step, repeats, barrier=True)
+        with torch.no_grad():
+            fwd_seconds = timed(forward, repeats, barrier=True)
+        with comm.measure() as fwd:
+            forward()
         full_allgather = (layout.num_tokens - plan.local_sizes[rank]) * 2 * HKV * D * 4
-        results[(strategy, algorithm)] = (seconds, fwd.received, full_allgather)
+        results[(strategy, algorithm)] = (seconds, fwd.received, full_allgather, fwd_seconds)
     return results
 
 
@@ -149,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", default="", help="comma-separated mix names (default: all)")
     args = ap.parse_args(argv)
     tokens = args.tokens or (8192 if args.quick else 32768)
-    repeats = args.repeats or (2 if args.quick else 5)
+    repeats = args.repeats or (2 if args.quick else 3)
     world_sizes = [2] if args.quick else [2, 4]
     cores = os.cpu_count() or 1
     mixes = json.loads(Path(args.mixes).read_text())["mixes"]
@@ -161,30 +167,48 @@ def main(argv: list[str] | None = None) -> None:
     print("## Distributed CP attention (training, fwd+bwd)\n")
     print(f"`{cmd}` — T={tokens} (first layout of each mix, cropped), H={H}, Hkv={HKV}, D={D}, fp32, causal, "
           f"gloo on {cores} CPU cores, torch threads per rank = cores / ranks, median of {repeats}. "
-          "Speedup = one process (`varlen_attention`, all cores) / CP time. "
+          "Speedup = one process (`varlen_attention`, all cores; mean of its medians before and after the CP "
+          "runs) / CP time. "
           "KV recv = bytes of K and V a rank receives in the forward pass / a full all-gather of K and V.\n")
-    rows, checks, flex_rows = [], [], []
-    print("| mix | ranks | strategy | algorithm | 1 process (ms) | CP (ms) | speedup | KV recv / all-gather |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    rows, checks, flex_rows, scaling = [], [], [], []
     for mix, layouts in mixes.items():
         lengths = crop(layouts[0], tokens)
-        base = spawn(single, 1, lengths, repeats, threads=cores)[0]
+        # One process before and after the CP runs (mean of the two medians), so load drifting
+        # on a shared machine hits the baseline as it hits the CP runs in between.
+        base, one_thread = (spawn(single, 1, lengths, repeats, threads=t, timeout_s=1800)[0] for t in (cores, 1))
         for n in world_sizes:
-            per_rank = spawn(distributed, n, n, lengths, configs, repeats, threads=max(1, cores // n))
+            per_rank = spawn(distributed, n, n, lengths, configs, repeats, threads=max(1, cores // n),
+                             timeout_s=1800)
             for cfg in configs:
-                seconds = max(r[cfg][0] for r in per_rank)
+                seconds, fwd_seconds = (max(r[cfg][i] for r in per_rank) for i in (0, 3))
                 kv = max(r[cfg][1] / max(r[cfg][2], 1) for r in per_rank)
-                rows.append((mix, n, *cfg, base, seconds, base / seconds, kv))
-                print(f"| {mix} | {n} | {cfg[0]} | {cfg[1]} | {base * 1e3:.1f} | {seconds * 1e3:.1f} | "
-                      f"{base / seconds:.2f}x | {kv:.1%} |", flush=True)
+                rows.append((mix, n, *cfg, base, seconds, base / seconds, kv, fwd_seconds))
+                print(f"{mix} {n} ranks {cfg[0]} {cfg[1]}: {seconds * 1e3:.1f} ms (one process before: "
+                      f"{base * 1e3:.1f} ms)", file=sys.stderr, flush=True)
             if not args.no_flex and not args.quick:
                 try:
                     seconds, pad = spawn(flex_forward, n, n, lengths, repeats, threads=max(1, cores // n),
                                          timeout_s=900)[0]
-                    flex_rows.append((mix, n, f"{seconds * 1e3:.1f}", pad))
+                    ours = min(r[8] for r in rows if r[:3] == (mix, n, "balanced"))
+                    flex_rows.append((mix, n, f"{seconds * 1e3:.1f}", pad, f"{ours * 1e3:.1f}",
+                                      f"{seconds / ours:.2f}x"))
                 except Exception as e:  # report, don't hide, a baseline that does not run here
-                    flex_rows.append((mix, n, f"did not run: {str(e).splitlines()[0][:120]}", "-"))
-        print(f"mix `{mix}`: {len(lengths)} documents", file=sys.stderr)
+                    flex_rows.append((mix, n, f"did not run: {str(e).splitlines()[0][:120]}", "-", "-", "-"))
+        after = (spawn(single, 1, lengths, repeats, threads=t, timeout_s=1800)[0] for t in (cores, 1))
+        base_after, one_thread_after = after
+        print(f"mix `{mix}`: {len(lengths)} documents; one process {base * 1e3:.0f} ms before the CP runs, "
+              f"{base_after * 1e3:.0f} ms after", file=sys.stderr)
+        base, one_thread = (base + base_after) / 2, (one_thread + one_thread_after) / 2
+        scaling.append((mix, len(lengths), base, one_thread))
+        for i, row in enumerate(rows):
+            if row[0] == mix:
+                rows[i] = (*row[:4], base, row[5], base / row[5], *row[7:])
+    print("| mix | ranks | strategy | algorithm | 1 process (ms) | CP (ms) | speedup | KV recv / all-gather "
+          "| CP fwd only (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mix, n, strategy, algorithm, base, seconds, speedup, kv, fwd_seconds in rows:
+        print(f"| {mix} | {n} | {strategy} | {algorithm} | {base * 1e3:.1f} | {seconds * 1e3:.1f} | {speedup:.2f}x "
+              f"| {kv:.1%} | {fwd_seconds * 1e3:.1f} |")
     for mix in ("sft", "pretrain"):
         best = max((r for r in rows if r[0] == mix and r[1] == 2 and r[2] == "balanced"), key=lambda r: r[6],
                    default=None)
@@ -195,15 +219,24 @@ def main(argv: list[str] | None = None) -> None:
     if sft_kv:
         checks.append(("`sft`, balanced + allgather: KV bytes received per rank <= 15% of a full all-gather",
                        f"{max(sft_kv):.1%}", max(sft_kv) <= 0.15))
+    print(f"\nHow well one process already uses the {cores} cores, and what that leaves for CP: with perfect "
+          f"balance and free communication, {cores} single-threaded ranks take T(1 thread) / {cores}, so the "
+          f"speedup over one process can be at most {cores} x T({cores} threads) / T(1 thread).\n")
+    print(f"| mix | documents | 1 process, 1 thread (ms) | 1 process, {cores} threads (ms) | thread scaling | "
+          "CP speedup bound |\n|---|---|---|---|---|---|")
+    for mix, docs, base, one_thread in scaling:
+        print(f"| {mix} | {docs} | {one_thread * 1e3:.1f} | {base * 1e3:.1f} | {one_thread / base:.2f}x | "
+              f"{cores * base / one_thread:.2f}x |")
     print("\n| target | measured | |\n|---|---|---|")
     for what, got, ok in checks:
         print(f"| {what} | {got} | {'PASS' if ok else 'MISS'} |")
     if flex_rows:
         print("\nPyTorch FlexAttention CP (`_ContextParallel` FLEX + `_PerDocumentHeadTailLoadBalancer`), "
               "forward only on CPU, same documents padded to multiples of 2N (and the stream to N*128):\n")
-        print("| mix | ranks | forward (ms) | padding tokens |\n|---|---|---|---|")
-        for mix, n, ms, pad in flex_rows:
-            print(f"| {mix} | {n} | {ms} | {pad} |")
+        print("| mix | ranks | FlexAttention CP fwd (ms) | its padding tokens | doccp balanced fwd (ms) | "
+              "doccp speedup |\n|---|---|---|---|---|---|")
+        for row in flex_rows:
+            print("| " + " | ".join(str(x) for x in row) + " |")
     print()
 
 

@@ -3,8 +3,10 @@
 (b) one dense ``scaled_dot_product_attention`` over the whole stream with a boolean
 document mask. Prints a markdown section to stdout.
 
-    python bench/kernels.py            # full run (over an hour on 2 cores: the long mix)
+    python bench/kernels.py            # full run (about an hour on 2 cores: mostly (a) on the long mix)
     python bench/kernels.py --quick    # a small subset, under a minute
+
+Ctrl-C (SIGINT) stops a run early and still prints the report of the cases measured so far.
 
 Workload: the first four layouts of every mix in ``../shared/bench/mixes.json``, cropped
 to the first 16384 and 32768 tokens; H=8, Hkv in {8, 2}, D=64, fp32; causal and
@@ -52,9 +54,13 @@ NOTES = """### Reading the numbers
   with alternating order on sft gave 1.02 (fwd) and 1.03 (fwd+bwd).
 - Sliding window: (a) can only hand a long document's band to SDPA as a dense mask and pays for the
   whole square; the backend computes 256-row blocks against their 1280-key windows, batched.
-- Tiny documents: one kernel call per distinct length instead of one per document, but the time
-  left is the kernel's own cost per (document, head) and gathering equal-length documents
-  together (about half), so the ratio stays near 2x rather than growing with the count."""
+- Tiny documents: one kernel call per distinct length (16 here) instead of one per document.
+  What remains is the kernel's own cost, about 0.4-0.5 us per token and head at these lengths
+  however the documents are batched (batched matmul softmax measured 1-3x slower; 64-token blocks
+  cost the kernel as much per token and head, so packing documents into masked tiles would not
+  help), plus gathering equal-length documents together. The loop's cost per document grows with
+  the count (about 50 us per document at 512 documents, about 150 us at 4096 in these runs), so
+  the ratio does too: about 1.5-1.8x at 512 documents (`--quick`), 4-6x at 4096."""
 
 
 # -- contenders ------------------------------------------------------------------------------
@@ -141,9 +147,9 @@ def crop(lengths: list[int], tokens: int) -> list[int]:
 
 
 # -- the runs --------------------------------------------------------------------------------
-def bench_mixes(mixes: dict, crops: list[int], layouts: int, hkvs: list[int], repeats: int, slow_s: float,
-                dense_tokens: int | None, log) -> tuple[list[dict], list[dict]]:
-    rows, dense_rows = [], []
+def bench_mixes(mixes: dict, crops: list[int], layouts: int, hkvs: list[int], masks: dict[str, Mask], repeats: int,
+                slow_s: float, dense_tokens: int | None, log, rows: list[dict], dense_rows: list[dict]) -> None:
+    """Appends to ``rows`` / ``dense_rows`` as it goes (an interrupted run keeps what it has)."""
     for mix, all_layouts in mixes.items():
         for index, full in enumerate(all_layouts[:layouts]):
             for tokens in crops:
@@ -151,7 +157,7 @@ def bench_mixes(mixes: dict, crops: list[int], layouts: int, hkvs: list[int], re
                 layout = DocLayout.from_lengths(lengths)
                 for hkv in hkvs:
                     q, k, v, dout = inputs(tokens, hkv)
-                    for mask_name, mask in MASKS.items():
+                    for mask_name, mask in masks.items():
                         fns = {"cpu": lambda q=q, k=k, v=v, layout=layout, mask=mask: varlen_attention(
                                    q, k, v, layout, mask, backend="cpu"),
                                "loop": lambda q=q, k=k, v=v, lengths=lengths, mask=mask: per_doc_loop(
@@ -164,7 +170,6 @@ def bench_mixes(mixes: dict, crops: list[int], layouts: int, hkvs: list[int], re
                                 f"cpu {ms['cpu']:.1f} ms, loop {ms['loop']:.1f} ms")
                         if index == 0 and tokens == dense_tokens and hkv == hkvs[0]:
                             dense_rows += bench_dense(mix, layout, mask_name, mask, q, k, v, dout, rows[-2:], log)
-    return rows, dense_rows
 
 
 def bench_dense(mix, layout, mask_name, mask, q, k, v, dout, cpu_rows: list[dict], log) -> list[dict]:
@@ -212,13 +217,14 @@ def cells(rows: list[dict]) -> dict[tuple, list[dict]]:
     return out
 
 
-def report(args, rows, dense_rows, tiny_rows, minutes: float) -> str:
-    command = "python bench/kernels.py" + (" --quick" if args.quick else "")
+def report(args, rows, dense_rows, tiny_rows, minutes: float, interrupted: bool = False) -> str:
+    command = " ".join(["python bench/kernels.py", *args.argv])
     parts = [
         "## Kernels",
         "",
         f"Reproduce: `{command}` ({minutes:.0f} min on this machine"
-        + ("; the quick subset, not the full benchmark" if args.quick else "") + ").",
+        + ("; the quick subset, not the full benchmark" if args.quick else "")
+        + ("; **interrupted**: the tables hold the cases measured before it stopped" if interrupted else "") + ").",
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
         f" ({torch.backends.cpu.get_cpu_capability()}), H={HEADS}, D={DIM}, fp32, median of {args.repeats} "
         f"interleaved runs after a warm-up, or a single run where one takes over {args.slow:g} s (column runs). "
@@ -290,20 +296,30 @@ def main(argv: list[str] | None = None) -> None:
                         help="a case whose first run takes longer (seconds) is timed once (default %(default)s)")
     parser.add_argument("--layouts", type=int, default=None, help="layouts per mix (default 4, quick 1)")
     parser.add_argument("--no-dense", action="store_true", help="skip (b), the slow dense baseline")
+    parser.add_argument("--no-tiny", action="store_true", help="skip the tiny-documents case")
+    parser.add_argument("--only", default="", help="comma-separated mix names (default: all)")
+    parser.add_argument("--masks", default=",".join(MASKS), help="comma-separated masks (default: %(default)s)")
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
     args.repeats = args.repeats or (1 if args.quick else 5)
     args.layouts = args.layouts or (1 if args.quick else 4)
     crops = [2048] if args.quick else [16384, 32768]
     mixes = json.loads(args.mixes.read_text())["mixes"]
+    mixes = {name: mixes[name] for name in args.only.split(",")} if args.only else mixes
+    masks = {name: MASKS[name] for name in args.masks.split(",")}
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
     start = time.perf_counter()
-    rows, dense_rows = bench_mixes(mixes, crops, args.layouts, [8, 2], args.repeats, args.slow,
-                                   None if args.no_dense else crops[0], log)
-    tiny_rows = bench_tiny(512 if args.quick else 4096, [8, 2], args.repeats, args.slow, log)
-    print(report(args, rows, dense_rows, tiny_rows, (time.perf_counter() - start) / 60))
+    tiny_rows = [] if args.no_tiny else bench_tiny(512 if args.quick else 4096, [8, 2], args.repeats, args.slow, log)
+    rows, dense_rows, interrupted = [], [], False
+    try:
+        bench_mixes(mixes, crops, args.layouts, [8, 2], masks, args.repeats, args.slow,
+                    None if args.no_dense else crops[0], log, rows, dense_rows)
+    except KeyboardInterrupt:  # Ctrl-C / SIGINT: report what was measured, marked as partial
+        interrupted = True
+    print(report(args, rows, dense_rows, tiny_rows, (time.perf_counter() - start) / 60, interrupted))
 
 
 if __name__ == "__main__":
