@@ -14,21 +14,19 @@ doccp's forward-only time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import doccp
 from doccp import DocLayout, Mask, comm
+from doccp.app import workloads
 from doccp.launch import spawn
 
-MIXES = Path(__file__).resolve().parents[1].parent / "shared" / "bench" / "mixes.json"
 H, HKV, D = 8, 2, 64
 
 
@@ -151,16 +149,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=None, help="tokens per layout (default 32768; quick 8192)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--no-flex", action="store_true", help="skip the FlexAttention CP baseline")
-    ap.add_argument("--mixes", default=str(MIXES))
     ap.add_argument("--only", default="", help="comma-separated mix names (default: all)")
     args = ap.parse_args(argv)
     tokens = args.tokens or (8192 if args.quick else 32768)
     repeats = args.repeats or (2 if args.quick else 3)
     world_sizes = [2] if args.quick else [2, 4]
     cores = os.cpu_count() or 1
-    mixes = json.loads(Path(args.mixes).read_text())["mixes"]
-    if args.only:
-        mixes = {m: mixes[m] for m in args.only.split(",")}
+    names = args.only.split(",") if args.only else workloads.SHARED_MIXES
+    mixes = {name: workloads.layouts(name, count=1) for name in names}
     configs = [(s, a) for s in ("head_tail", "balanced") for a in ("allgather", "ring_kv")]
 
     cmd = " ".join(["python bench/cp.py", *(sys.argv[1:] if argv is None else argv)])

@@ -8,7 +8,7 @@ document mask. Prints a markdown section to stdout.
 
 Ctrl-C (SIGINT) stops a run early and still prints the report of the cases measured so far.
 
-Workload: the first four layouts of every mix in ``../shared/bench/mixes.json``, cropped
+Workload: the first four layouts of every shared mix (``doccp.app.workloads``, 131072 tokens), cropped
 to the first 16384 and 32768 tokens; H=8, Hkv in {8, 2}, D=64, fp32; causal and
 sliding_window(1024); forward and forward+backward; median of repeats, the contenders
 interleaved so that machine noise hits them alike (cases slower than ``--slow`` seconds:
@@ -26,23 +26,21 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
-import json
 import platform
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from doccp import DocLayout, Mask
+from doccp.app import workloads
 from doccp.varlen import varlen_attention
 
-MIXES = Path(__file__).resolve().parents[1].parent / "shared" / "bench" / "mixes.json"
 HEADS, DIM = 8, 64
 MASKS = {"causal": Mask.causal(), "window(1024)": Mask.sliding_window(1024)}
 TARGET_LOOP, TARGET_DENSE = 0.95, 5.0
@@ -290,7 +288,6 @@ def report(args, rows, dense_rows, tiny_rows, minutes: float, interrupted: bool 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small subset, under a minute")
-    parser.add_argument("--mixes", type=Path, default=MIXES, help="mixes.json (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per case (default 5, quick 1)")
     parser.add_argument("--slow", type=float, default=5.0,
                         help="a case whose first run takes longer (seconds) is timed once (default %(default)s)")
@@ -304,8 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     args.repeats = args.repeats or (1 if args.quick else 5)
     args.layouts = args.layouts or (1 if args.quick else 4)
     crops = [2048] if args.quick else [16384, 32768]
-    mixes = json.loads(args.mixes.read_text())["mixes"]
-    mixes = {name: mixes[name] for name in args.only.split(",")} if args.only else mixes
+    names = args.only.split(",") if args.only else workloads.SHARED_MIXES
+    mixes = {name: workloads.layouts(name, count=args.layouts) for name in names}
     masks = {name: MASKS[name] for name in args.masks.split(",")}
 
     def log(line: str) -> None:

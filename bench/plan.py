@@ -1,6 +1,6 @@
 """Planner benchmark: how each strategy splits the shared layouts, and what it costs to plan.
 
-On the 48 layouts of ../shared/bench/mixes.json (mixes pretrain, sft, long; 131072 tokens
+On 16 layouts of each shared mix (``doccp.app.workloads``: pretrain, sft, long; 131072 tokens
 each) at N in {2, 4, 8, 16}, causal mask, for contiguous / head_tail / balanced: work
 imbalance, padding, pieces, tile-quantised work, KV each rank receives under the minimal
 exchange (as a fraction of a full all-gather), and the time to plan and build every rank's
@@ -14,20 +14,18 @@ rounded up to multiples of 2N, which it requires). Prints one markdown section.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from doccp import DocLayout, Mask, plan
+from doccp.app import workloads
 from doccp.plan import STRATEGIES
 
-MIXES = Path(__file__).resolve().parents[1].parent / "shared" / "bench" / "mixes.json"
 WORLD_SIZES = (2, 4, 8, 16)
 NAMES = ("contiguous", "head_tail", "balanced")
 TORCH = "PyTorch"
@@ -141,7 +139,7 @@ def report(cells: dict[tuple[str, int], Cell], args: argparse.Namespace, has_tor
         "## Planner",
         "",
         f"Reproduce: `.venv/bin/python bench/plan.py{quick}` from the repository root (or `doccp bench --only plan"
-        f"{quick}`; layouts from `../shared/bench/mixes.json`). Causal mask, {per_mix} layouts per mix of "
+        f"{quick}`; layouts from `doccp.app.workloads`). Causal mask, {per_mix} layouts per mix of "
         f"{args.tokens} tokens; each number is the worst layout of its mix unless it says "
         "otherwise. Planning is host work done once per batch, so it is timed on one thread "
         f"(`torch.set_num_threads(1)`), best of {args.repeats} interleaved runs, for every strategy and "
@@ -286,14 +284,11 @@ def notes(cells: dict[tuple[str, int], Cell], has_torch: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 layouts per mix, N in {2, 8}, 3 repeats")
-    parser.add_argument("--mixes", type=Path, default=MIXES, help=f"layouts file (default: {MIXES})")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per layout (default 11, quick 3)")
     args = parser.parse_args(argv)
-    if not args.mixes.is_file():
-        print(f"bench/plan.py: no layouts file at {args.mixes}; pass --mixes", file=sys.stderr)
-        return 2
-    data = json.loads(args.mixes.read_text())
-    args.tokens = data["tokens"]
+    args.tokens = 131072
+    data = {"mixes": {mix: workloads.layouts(mix, args.tokens, 4 if args.quick else 16)
+                      for mix in workloads.SHARED_MIXES}}
     args.repeats = args.repeats or (3 if args.quick else 11)
     world_sizes = (2, 8) if args.quick else WORLD_SIZES
     assert set(NAMES) == set(STRATEGIES), "bench/plan.py lists every strategy"

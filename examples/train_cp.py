@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import doccp
-from doccp.corpus import VOCAB, next_token_targets, pack, scan, stdlib_dir
+from doccp.app.corpus import VOCAB, pack, scan, stdlib_dir
 from doccp.launch import spawn
 from doccp.nn import TinyLM
 
@@ -48,7 +48,7 @@ def train(rank: int, args: argparse.Namespace, device: torch.device) -> list[flo
     losses = []
     for step in range(args.steps):
         batch = pack(corpus, args.tokens, args.max_doc_len, seed=step)
-        targets = next_token_targets(batch.tokens, batch.layout)
+        targets = batch.layout.next_token_targets(batch.tokens)
         n_targets = int((targets != -100).sum())
         plan = doccp.plan(batch.layout, world_size, model.mask)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from doccp.cli.bench import SECTIONS
-from doccp.cli.main import main
+from doccp.app.cli.bench import SECTIONS
+from doccp.app.cli.main import main
 
 SCRIPT = '''
 def main(argv=None):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from doccp import DocLayout, Mask, plan
-from doccp.cli.main import main
-from doccp.plot import mask_image
+from doccp.app.cli.main import main
+from doccp.app.plot import mask_image
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from doccp.cli.main import main
-from doccp.corpus import next_token_targets, pack, scan
+from doccp.app.cli.main import main
+from doccp.app.corpus import pack, scan
 from doccp.layout import DocLayout
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -19,7 +19,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _doccp(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "doccp.cli.main", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "doccp.app.cli.main", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -43,7 +43,8 @@ def test_demo_end_to_end(tmp_path):
 
 
 def test_module_entry_point_help():
-    proc = subprocess.run([sys.executable, "-m", "doccp.demo", "--help"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "doccp.app.demo", "--help"], capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0
     for flag in ("--corpus", "--tokens", "--max-doc-len", "--world-size", "--mask", "--strategy", "--algorithms",
                  "--decode-tokens", "--dtype", "--backend", "--threads", "--out", "torchrun"):
@@ -95,7 +96,7 @@ def test_unreadable_file(tmp_path, capsys):
 
 
 def test_bad_input_exit_code_from_console():
-    proc = subprocess.run([sys.executable, "-m", "doccp.cli.main", "demo", "--world-size", "0"],
+    proc = subprocess.run([sys.executable, "-m", "doccp.app.cli.main", "demo", "--world-size", "0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "doccp demo: error: --world-size must be >= 1, got 0"
@@ -120,5 +121,5 @@ def test_pack_is_deterministic_and_splits_long_files(tmp_path):
 
 def test_next_token_targets_stay_in_documents():
     layout = DocLayout.from_lengths([3, 0, 2])
-    targets = next_token_targets(torch.tensor([1, 2, 3, 4, 5]), layout)
+    targets = layout.next_token_targets(torch.tensor([1, 2, 3, 4, 5]))
     assert targets.tolist() == [2, 3, -100, 5, -100]

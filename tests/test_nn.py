@@ -8,7 +8,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import doccp
-from doccp.corpus import next_token_targets
 from doccp.launch import WorkerError, spawn
 from doccp.nn import DocAttention, TinyLM, apply_rope, doc_positions
 
@@ -91,7 +90,7 @@ def _cp_equals_one_process(rank: int, n: int) -> int:
     for lens, mask, strategy, algorithm in CP_CASES:
         layout = doccp.DocLayout.from_lengths(lens)
         tokens = torch.randint(MODEL["vocab"], (layout.num_tokens,), generator=torch.Generator().manual_seed(3))
-        targets = next_token_targets(tokens, layout)
+        targets = layout.next_token_targets(tokens)
         n_targets = int((targets != -100).sum())
         torch.manual_seed(0)
         model = TinyLM(**MODEL, mask=mask)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import time
 
-from doccp.cli.progress import Step
+from doccp.app.cli.progress import Step
 
 
 class _Tty(io.StringIO):

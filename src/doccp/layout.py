@@ -163,6 +163,18 @@ class DocLayout:
         starts = repeat_interleave(self.cu_seqlens[:-1], self.lengths, self.num_tokens)
         return torch.arange(self.num_tokens) - starts
 
+    def next_token_targets(self, tokens: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Language-model targets for a packed stream: the next token *of the same document*,
+        ``ignore_index`` on each document's last token (nothing follows it there). Shift the
+        labels of the whole stream like this before sharding: a shard's last token's target
+        usually lives on another rank."""
+        self.check_tokens(tokens, "tokens")
+        targets = torch.full_like(tokens, ignore_index)
+        targets[:-1] = tokens[1:]
+        last = self.cu_seqlens[1:][self.lengths > 0] - 1
+        targets[last.to(tokens.device)] = ignore_index
+        return targets
+
     # -- index maps between batch formats and the packed stream -------------------------
     def padded_index(self) -> torch.Tensor:
         """For a padded layout: flat index into ``[B * max_len]`` of every packed token."""

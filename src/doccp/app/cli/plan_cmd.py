@@ -12,11 +12,11 @@ import re
 import string
 from pathlib import Path
 
-from doccp.cli.main import UsageError
+from doccp.app.cli.main import UsageError
+from doccp.app.plot import token_owners
 from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan import STRATEGIES, Plan, plan
-from doccp.plot import token_owners
 
 #: Rank symbols of the text picture (ranks beyond 36 are not drawn).
 SYMBOLS = string.digits + string.ascii_lowercase
@@ -120,7 +120,7 @@ def _strategies(text: str) -> list[str]:
 
 
 def _plot(plans: dict[str, Plan], path: Path) -> list[Path]:
-    from doccp.plot import plot_plan
+    from doccp.app.plot import plot_plan
 
     try:
         if len(plans) == 1:

@@ -2,9 +2,9 @@
 
 The same code runs in two launch modes:
 
-* ``doccp demo`` (or ``python -m doccp.demo``): this process plans, runs the one-process
+* ``doccp demo`` (or ``python -m doccp.app.demo``): this process plans, runs the one-process
   reference, and spawns ``--world-size`` gloo ranks for the CP runs (:func:`cp_rank`);
-* ``torchrun --nproc-per-node N -m doccp.demo --backend nccl``: every process is one rank
+* ``torchrun --nproc-per-node N -m doccp.app.demo --backend nccl``: every process is one rank
   (``env://`` rendezvous); rank 0 also runs the reference and prints the report.
 
 Every rank builds the same model from the same seed (fixed random weights), takes its
@@ -34,7 +34,7 @@ import doccp
 import doccp.algorithms
 import doccp.varlen  # noqa: F401  (imported up front, so no timed step pays for imports)
 from doccp import comm
-from doccp.corpus import VOCAB, next_token_targets
+from doccp.app.corpus import VOCAB
 from doccp.inference import ShardedKVCache, decode, prefill
 from doccp.layout import DocLayout
 from doccp.masks import Mask
@@ -146,7 +146,7 @@ def single_process(work: Workload, device: torch.device | str = "cpu") -> Run:
     model = build_model(work, device)
     layout = work.layout
     tokens = work.tokens.to(device)
-    targets = next_token_targets(work.tokens, layout).to(device)
+    targets = layout.next_token_targets(work.tokens).to(device)
     n_targets = int((targets != -100).sum())
     logits, loss, seconds = _step(model, tokens, targets, n_targets, layout=layout)
     grads = {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
@@ -166,7 +166,7 @@ def cp_rank(rank: int, work: Workload, tick: Callable[[], None] | None = None,
     n = comm.size(group)
     plan = work.plan(n)
     model = build_model(work, device)
-    targets = next_token_targets(work.tokens, plan.layout)
+    targets = plan.layout.next_token_targets(work.tokens)
     n_targets = int((targets != -100).sum())
     tokens = doccp.shard(work.tokens, plan, rank).to(device)
     targets = doccp.shard(targets, plan, rank).to(device)
@@ -280,8 +280,8 @@ def launched_by_torchrun() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m doccp.demo [flags]``: the ``doccp demo`` command, torchrun-aware."""
-    from doccp.cli.main import main as cli_main
+    """``python -m doccp.app.demo [flags]``: the ``doccp demo`` command, torchrun-aware."""
+    from doccp.app.cli.main import main as cli_main
 
     return cli_main(["demo", *(sys.argv[1:] if argv is None else argv)])
 

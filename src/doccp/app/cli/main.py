@@ -11,9 +11,9 @@ import importlib
 import sys
 
 COMMANDS = {
-    "demo": ("doccp.cli.demo", "run the end-to-end demo: plan, train and decode under CP, check exactness"),
-    "plan": ("doccp.cli.plan_cmd", "show how a layout is split over CP ranks"),
-    "bench": ("doccp.cli.bench", "run the benchmarks and regenerate docs/benchmarks.md"),
+    "demo": ("doccp.app.cli.demo", "run the end-to-end demo: plan, train and decode under CP, check exactness"),
+    "plan": ("doccp.app.cli.plan_cmd", "show how a layout is split over CP ranks"),
+    "bench": ("doccp.app.cli.bench", "run the benchmarks and regenerate docs/benchmarks.md"),
 }
 
 

@@ -112,13 +112,3 @@ def pack(corpus: Corpus, tokens: int, max_doc_len: int = 4096, seed: int = 0) ->
             sources.append((str(path.relative_to(corpus.root)), offset))
     stream = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).to(torch.int64)
     return Batch(stream, DocLayout.from_lengths(lengths), sources)
-
-
-def next_token_targets(tokens: torch.Tensor, layout: DocLayout, ignore_index: int = -100) -> torch.Tensor:
-    """Language-model targets: the next token of the same document; ``ignore_index`` on each
-    document's last token (nothing follows it within the document)."""
-    targets = torch.full_like(tokens, ignore_index)
-    targets[:-1] = tokens[1:]
-    last = layout.cu_seqlens[1:][layout.lengths > 0] - 1
-    targets[last] = ignore_index
-    return targets

@@ -56,7 +56,7 @@ def plot_plan(plan: Plan, path: str | Path, size: int = 768) -> Path:
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(f"doccp.plot needs matplotlib ({e}); install it with pip install 'doccp[plot]'") from None
+        raise ImportError(f"doccp.app.plot needs matplotlib ({e}); install it with pip install 'doccp[plot]'") from None
 
     n = plan.world_size
     palette = colormaps["tab10" if n <= 10 else "tab20"]

@@ -7,7 +7,7 @@ compare logits, loss and gradients with one process, (4) prefill every document 
 (pass-KV and pass-Q), decode a few tokens greedily and check them with one process. Exits 1
 if a CP result differs from one process beyond the tolerance, 2 on bad input.
 
-On GPUs, one process per rank: torchrun --nproc-per-node N -m doccp.demo --backend nccl
+On GPUs, one process per rank: torchrun --nproc-per-node N -m doccp.app.demo --backend nccl
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import doccp
-from doccp import demo, launch
-from doccp.cli.main import UsageError
-from doccp.cli.progress import Step
-from doccp.corpus import Batch, pack, scan, stdlib_dir
+from doccp import launch
+from doccp.app import demo
+from doccp.app.cli.main import UsageError
+from doccp.app.cli.progress import Step
+from doccp.app.corpus import Batch, pack, scan, stdlib_dir
 from doccp.masks import Mask
 from doccp.plan import STRATEGIES
 
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         args.world_size = int(os.environ["WORLD_SIZE"])
     opts = _options(args)
     if args.backend == "nccl" and not torchrun:
-        raise UsageError("--backend nccl needs one process per GPU: torchrun --nproc-per-node N -m doccp.demo "
+        raise UsageError("--backend nccl needs one process per GPU: torchrun --nproc-per-node N -m doccp.app.demo "
                          "--backend nccl")
     rank, device = _init_torchrun(args.backend, args.threads) if torchrun else (0, torch.device("cpu"))
     report = Report()
@@ -189,7 +190,7 @@ def _plans(report: Report, batch: Batch, opts: Options, world_size: int) -> None
                                   f"pieces per rank, KV received {best.max_kv_fraction:.0%} of an all-gather "
                                   f"({others})"))
     try:
-        from doccp.plot import plot_plan
+        from doccp.app.plot import plot_plan
 
         opts.out.mkdir(parents=True, exist_ok=True)
         with Step("drawing the plans", total=len(plans)) as step:
@@ -225,7 +226,7 @@ class _Ticks:
 
 def _cp_runs(work: demo.Workload, args: argparse.Namespace, rank: int, device: torch.device,
              torchrun: bool) -> list[dict] | None:
-    """Every rank's :func:`doccp.demo.cp_rank` results (on the reporting rank; None elsewhere)."""
+    """Every rank's :func:`doccp.app.demo.cp_rank` results (on the reporting rank; None elsewhere)."""
     steps = len(work.algorithms) + (len(demo.PREFILL) if work.generates else 0)
     label = (f"CP on {args.world_size} {args.backend} ranks: forward+backward ({', '.join(work.algorithms)})"
              + (f", prefill+decode ({', '.join(demo.PREFILL)})" if work.generates else ""))

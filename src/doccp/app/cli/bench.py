@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from doccp.cli.main import UsageError
-from doccp.cli.progress import Step
+from doccp.app.cli.main import UsageError
+from doccp.app.cli.progress import Step
 
 SECTIONS = ("plan", "kernels", "cp", "inference")
 REPO = Path(__file__).resolve().parents[3]  # src/doccp/cli/bench.py -> repository root
