@@ -198,10 +198,12 @@ def _bad(change):
 
 
 @pytest.mark.parametrize("change, error, match", [
-    (lambda q, k, v, cu: {"k": k[:, :-1]}, ValueError, "matching q's B, S"),
-    (lambda q, k, v, cu: {"q": q[0]}, ValueError, r"\[B, S, H, D\]"),
-    (lambda q, k, v, cu: {"q": q[:, :, :3]}, ValueError, "multiple of k/v heads"),
-    (lambda q, k, v, cu: {"v": v.double()}, TypeError, "one floating dtype"),
+    (lambda q, k, v, cu: {"k": k[:, :-1], "v": v[:, :-1]}, ValueError, "same tokens"),
+    (lambda q, k, v, cu: {"k": k[:, :-1]}, ValueError, "k and v must have the same shape"),
+    (lambda q, k, v, cu: {"q": q[0]}, ValueError, r"\[B, S, heads, head_dim\]"),
+    (lambda q, k, v, cu: {"q": q[:, :, :3]}, ValueError, "multiple of the number of KV heads"),
+    (lambda q, k, v, cu: {"v": v.double()}, TypeError, "share one dtype"),
+    (lambda q, k, v, cu: {"scale": float("nan")}, ValueError, "scale must be finite"),
     (lambda q, k, v, cu: {"cu_rows": cu.float()}, TypeError, "int32 or int64"),
     (lambda q, k, v, cu: {"cu_rows": cu[:2]}, ValueError, r"\[B=4, MAX_DOCS\+1"),
     (lambda q, k, v, cu: {"cu_rows": cu + 1}, ValueError, "start at 0"),

@@ -148,7 +148,7 @@ def test_packed_rows(case):
     (lambda: DocLayout.from_padded([2, 5], 4), ValueError, "max_len=4"),
     (lambda: DocLayout.from_padded([2, -1], 4), ValueError, "doc_lens"),
     (lambda: DocLayout.from_padded([2], 4.0), TypeError, "max_len must be an int"),
-    (lambda: DocLayout.from_padded([2], -1), ValueError, "max_len must be >= 0"),
+    (lambda: DocLayout.from_padded([2], -1), ValueError, "max_len must be in \\[0, "),
     (lambda: DocLayout.from_packed_rows([[0, 3, 8], [1, 4, 8]], 8), ValueError, "start at 0"),
     (lambda: DocLayout.from_packed_rows([[0, 3, 8], [0, 4, 7]], 8), ValueError, "end at seq_len=8"),
     (lambda: DocLayout.from_packed_rows([[0, 3, 8, 0]], 8), ValueError, "end at seq_len=8"),

@@ -9,7 +9,6 @@ added to :data:`traffic`, so benchmarks and tests can check volume against a pla
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -142,42 +141,28 @@ def all_gather_varsize(x: torch.Tensor, sizes: Sequence[int], group: dist.Proces
     return [b.narrow(dim, 0, s) for b, s in zip(buffers, sizes, strict=True)]
 
 
-_validated: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def host_collectives(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``group`` runs collectives on CPU tensors (gloo, or a ``cpu:gloo,cuda:nccl`` group)."""
+    try:
+        config = str(dist.get_backend_config(group))
+    except (AttributeError, RuntimeError, ValueError):  # older torch: the backend name alone
+        config = str(dist.get_backend(group))
+    return "gloo" in config or "mpi" in config
 
 
-def agree(problem: BaseException | None, group: dist.ProcessGroup | None, owner: object = None,
-          key: tuple | None = None) -> None:
-    """Make input validation collective: if any rank found a problem, every rank raises it
-    (naming the rank), instead of the healthy ranks hanging in the next collective.
-
-    ``(owner, key)`` names a configuration (a plan and the shapes used with it) that every
-    rank already agreed on; it is checked once and remembered for as long as ``owner``
-    lives, so steady-state calls pay nothing (and NCCL jobs sync once per plan). ``key``
-    must hold everything the local checks depend on, so that a remembered configuration
-    cannot fail on one rank only.
-    """
-    if size(group) == 1 or not dist.is_initialized():
-        if problem is not None:
-            raise problem
-        return
-    members = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))  # ids can be reused; ranks can't lie
-    seen = _validated.get(owner) if owner is not None else None
-    if problem is None and seen is not None and (members, key) in seen:
-        return
-    found = [None] * size(group)
-    dist.all_gather_object(found, None if problem is None else (type(problem).__name__, str(problem)), group=group)
-    for r, item in enumerate(found):
-        if item is not None:
-            kind, message = item
-            cls = TypeError if kind == "TypeError" else ValueError
-            raise cls(message if r == rank(group) else f"{message} (reported by rank {r} of the group)")
-    if owner is not None:
-        _validated.setdefault(owner, set()).add((members, key))
+def device_of(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a device-only group's collectives take their tensors (this process's current GPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def check_group(world_size: int, group: dist.ProcessGroup | None, what: str = "plan") -> BaseException | None:
     """The problem (not raised) if a plan for ``world_size`` ranks meets a group of another size."""
     n = size(group)
+    if world_size != n and not dist.is_initialized():
+        return ValueError(f"the {what} is for world_size={world_size}, but no process group is initialised: "
+                          "start one rank per process with torchrun and torch.distributed.init_process_group(), "
+                          "or run a function on local ranks with doccp.launch.spawn(fn, world_size); a plan "
+                          "for world_size=1 runs without a process group")
     if world_size != n:
         return ValueError(f"the {what} is for world_size={world_size} but the process group has {n} "
                           f"ranks; build the plan with world_size={n} (or pass the matching group)")

@@ -24,6 +24,10 @@ import torch
 
 IntsLike = Sequence[int] | torch.Tensor
 
+#: Most tokens a layout may hold: cu_seqlens fit in int32 (what varlen kernels take) and exact
+#: pair counts of any two ranges fit in int64.
+MAX_TOKENS = (1 << 31) - 1
+
 
 def as_int_tensor(values: IntsLike, name: str, *, ndim: int = 1) -> torch.Tensor:
     """Validate integer input and return it as an int64 CPU tensor (never syncs a GPU
@@ -46,6 +50,9 @@ def as_int_tensor(values: IntsLike, name: str, *, ndim: int = 1) -> torch.Tensor
         bad = [x for x in flat if isinstance(x, bool) or not isinstance(x, int) and not _is_int_scalar(x)]
         if bad:
             raise TypeError(f"{name} must hold integers, got {bad[0]!r}")
+        huge = next((x for x in flat if not -MAX_INT64 <= int(x) <= MAX_INT64), None)
+        if huge is not None:
+            raise ValueError(f"{name} holds {int(huge)}, which does not fit in int64")
         try:
             tensor = torch.tensor(items, dtype=torch.int64) if items else torch.zeros(0, dtype=torch.int64)
         except ValueError as e:  # ragged rows
@@ -53,6 +60,9 @@ def as_int_tensor(values: IntsLike, name: str, *, ndim: int = 1) -> torch.Tensor
     if tensor.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
     return tensor
+
+
+MAX_INT64 = (1 << 63) - 1
 
 
 def _is_int_scalar(x: object) -> bool:
@@ -85,6 +95,9 @@ class DocLayout:
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: IntsLike) -> DocLayout:
         cu = as_int_tensor(cu_seqlens, "cu_seqlens")
+        if cu.numel() and int(cu[-1]) > MAX_TOKENS:
+            raise ValueError(f"cu_seqlens ends at {int(cu[-1])} tokens, more than a layout holds "
+                             f"(MAX_TOKENS = 2**31 - 1 = {MAX_TOKENS})")
         if cu.numel() == 0 or cu[0] != 0:
             raise ValueError("cu_seqlens must start at 0 (e.g. [0, 5, 9] for documents of 5 and 4 "
                              f"tokens), got {cu[:4].tolist()}")
@@ -249,11 +262,19 @@ def expand_ranges(first: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
 
 def _cumsum0(lengths: torch.Tensor) -> torch.Tensor:
-    return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+    """Cumulative boundaries, refusing totals beyond ``MAX_TOKENS`` (before they can overflow)."""
+    if lengths.numel() and int(lengths.max()) > MAX_TOKENS:
+        raise ValueError(f"a document of {int(lengths.max())} tokens is longer than a layout holds "
+                         f"(MAX_TOKENS = 2**31 - 1 = {MAX_TOKENS})")
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+    if int(cu[-1]) > MAX_TOKENS:  # each length <= 2**31, so the sum cannot wrap below 2**63
+        raise ValueError(f"the documents hold {int(cu[-1])} tokens, more than a layout holds "
+                         f"(MAX_TOKENS = 2**31 - 1 = {MAX_TOKENS}); split the batch")
+    return cu
 
 
-def _check_int(value: object, name: str, minimum: int) -> None:
+def _check_int(value: object, name: str, minimum: int, maximum: int = MAX_TOKENS) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")

@@ -21,14 +21,21 @@ from dataclasses import dataclass
 
 import torch
 
-#: Stand-in for an unbounded side of the band; large enough for any real document
-#: (2**40 tokens) yet small enough that pair counts stay exact in int64.
-UNBOUNDED = 1 << 40
+#: Stand-in for an unbounded side of the band: farther than any position of any layout
+#: (``DocLayout`` holds at most ``MAX_TOKENS = 2**31 - 1`` tokens) yet small enough that the
+#: closed-form pair counts stay exact in int64. A window at least this wide is unbounded.
+UNBOUNDED = 1 << 32
+#: Largest window side a Mask accepts (int64); wider ones cannot be represented.
+INT64_MAX = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
 class Mask:
-    """A band mask; ``None`` on a side means unbounded."""
+    """A band mask; ``None`` on a side means unbounded.
+
+    A side of ``UNBOUNDED`` (2**32) or more reaches past every document, so it is stored as
+    ``None``: ``Mask.sliding_window(10**12) == Mask.causal()``. Sides beyond int64 are rejected.
+    """
 
     left: int | None = None
     right: int | None = 0
@@ -44,6 +51,11 @@ class Mask:
                 raise ValueError(
                     f"Mask.{name} must be >= 0 (a window cannot exclude the diagonal), got {value}"
                 )
+            if value > INT64_MAX:
+                raise ValueError(f"Mask.{name}={value} cannot be represented (the limit is 2**63 - 1); "
+                                 "use None for an unbounded side")
+            if value >= UNBOUNDED:
+                object.__setattr__(self, name, None)
 
     @classmethod
     def causal(cls) -> Mask:

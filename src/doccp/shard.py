@@ -12,12 +12,14 @@ import torch
 import torch.distributed as dist
 
 from doccp import comm
+from doccp.agreement import agree, describe_plan
+from doccp.checks import raise_if
 from doccp.plan import Plan
 
 
 def shard(x: torch.Tensor, plan: Plan, rank: int, dim: int = 0) -> torch.Tensor:
     """The tokens of ``rank`` along ``dim`` of a full-stream tensor ``x``, in local order."""
-    _check(x, plan, dim, "x")
+    raise_if(_problem(x, plan, dim, "x"))
     plan.layout.check_tokens(x, "x", dim=_dim(x, dim))
     return x.index_select(_dim(x, dim), plan.indices(rank).to(x.device))
 
@@ -25,15 +27,22 @@ def shard(x: torch.Tensor, plan: Plan, rank: int, dim: int = 0) -> torch.Tensor:
 def unshard(x_local: torch.Tensor, plan: Plan, group: dist.ProcessGroup | None = None,
             dim: int = 0) -> torch.Tensor:
     """Inverse of :func:`shard` over a process group: every rank gets the full stream."""
-    _check(x_local, plan, dim, "x_local")
     me = comm.rank(group)
-    problem = comm.check_group(plan.world_size, group)
-    d = _dim(x_local, dim)
-    if problem is None and x_local.shape[d] != plan.local_sizes[me]:
-        problem = ValueError(f"x_local has {x_local.shape[d]} tokens along dim {dim}, but the plan gives "
-                             f"rank {me} {plan.local_sizes[me]}; pass doccp.shard(x, plan, {me}) output")
-    comm.agree(problem, group, owner=plan, key=("unshard", tuple(x_local.shape), d, x_local.device))
-    return _Unshard.apply(x_local, plan, group, d)
+    problem = _problem(x_local, plan, dim, "x_local") or comm.check_group(plan.world_size, group)
+    if problem is None:
+        d = _dim(x_local, dim)
+        if x_local.shape[d] != plan.local_sizes[me]:
+            problem = ValueError(f"x_local has {x_local.shape[d]} tokens along dim {dim}, but the plan gives "
+                                 f"rank {me} {plan.local_sizes[me]}; pass doccp.shard(x, plan, {me}) output")
+    tensor = isinstance(x_local, torch.Tensor)
+    agree(problem, group, {
+        "plan": describe_plan(plan) if isinstance(plan, Plan) else None,
+        "dim": dim,
+        "x_local shape (but the token dim) and dtype": (
+            tuple(s for i, s in enumerate(x_local.shape) if i != _dim(x_local, dim)), str(x_local.dtype))
+        if problem is None and tensor else None,
+    })
+    return _Unshard.apply(x_local, plan, group, _dim(x_local, dim))
 
 
 class _Unshard(torch.autograd.Function):
@@ -56,10 +65,11 @@ def _dim(x: torch.Tensor, dim: int) -> int:
     return dim + x.dim() if dim < 0 else dim
 
 
-def _check(x: object, plan: object, dim: int, name: str) -> None:
+def _problem(x: object, plan: object, dim: object, name: str) -> Exception | None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        return TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a doccp.Plan (from doccp.plan(...)), got {type(plan).__name__}")
-    if not -x.dim() <= dim < max(x.dim(), 1):
-        raise ValueError(f"dim={dim} is out of range for a {x.dim()}-D {name}")
+        return TypeError(f"plan must be a doccp.Plan (from doccp.plan(...)), got {type(plan).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < max(x.dim(), 1):
+        return ValueError(f"dim={dim!r} is out of range for a {x.dim()}-D {name}")
+    return None

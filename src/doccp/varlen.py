@@ -15,20 +15,15 @@ autograd backward that reuses the forward's out and lse (no recompute)::
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
-from doccp.kernels import attend, attend_backward, doc_slices, resolve_backend
+from doccp.checks import layout_problem, mask_problem, qkv_problem, raise_if, scale_problem
+from doccp.kernels import attend, attend_backward, default_scale, doc_slices, resolve_backend
 from doccp.kernels.slices import Slices
 from doccp.layout import DocLayout
 from doccp.masks import Mask
 
 __all__ = ["varlen_attention"]
-
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
 
 class _VarlenAttention(torch.autograd.Function):
     """out, lse = attend(...); backward = attend_backward with the saved out and lse."""
@@ -70,45 +65,12 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     """
     _check_inputs(q, k, v, layout, mask, scale)
     name = resolve_backend(backend, q)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = default_scale(q, scale)
     out, lse = _VarlenAttention.apply(q, k, v, doc_slices(layout.cu_seqlens), mask, scale, name)
     return (out, lse) if return_lse else out
 
 
 def _check_inputs(q, k, v, layout, mask, scale) -> None:
     """Clear errors naming the argument and the fix, before any kernel sees the tensors."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 3:
-            raise ValueError(f"{name} must be 3-D [T, H, D] (THD layout), got shape {tuple(x.shape)}; "
-                             "flatten a [B, S, H, D] batch with x.flatten(0, 1) and describe it with "
-                             "DocLayout.from_packed_rows or DocLayout.from_padded")
-        if x.dtype not in _FLOATS:
-            raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {x.dtype}")
-    if not isinstance(layout, DocLayout):
-        raise TypeError(f"layout must be a doccp.DocLayout (e.g. DocLayout.from_lengths(lengths)), "
-                        f"got {type(layout).__name__}")
-    if not isinstance(mask, Mask):
-        raise TypeError(f"mask must be a doccp.Mask (Mask.causal(), Mask.full(), Mask.sliding_window(w)), "
-                        f"got {type(mask).__name__}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-        raise TypeError(f"scale must be a real number or None (1/sqrt(D)), got {type(scale).__name__}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}; "
-                        "cast them with .to(q.dtype)")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape [T, Hkv, D], got k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}")
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"q and k/v must hold the same tokens (dimension 0), got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}")
-    if k.shape[2] != q.shape[2]:
-        raise ValueError(f"q and k must have the same head dim D (dimension 2), got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"the number of query heads must be a multiple of the key/value heads (GQA), "
-                         f"got Hq={q.shape[1]}, Hkv={k.shape[1]}")
+    raise_if(qkv_problem(q, k, v) or layout_problem(layout) or mask_problem(mask) or scale_problem(scale))
     layout.check_tokens(q, "q")

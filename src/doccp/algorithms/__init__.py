@@ -11,9 +11,11 @@ import torch
 import torch.distributed as dist
 
 from doccp import comm
+from doccp.agreement import agree, describe_plan
 from doccp.algorithms.allgather import AllGatherAttention
 from doccp.algorithms.ring_kv import RingKVAttention
 from doccp.algorithms.schedule import schedule
+from doccp.checks import choice_problem, first, qkv_problem, scale_problem
 from doccp.kernels import BACKENDS, default_scale
 from doccp.plan import Plan
 
@@ -56,51 +58,56 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
     q ``[T_local, Hq, D]``, k/v ``[T_local, Hkv, D]`` (``Hq % Hkv == 0``), the mask is
     ``plan.mask``. ``algorithm``: ``"allgather"``, ``"ring_kv"`` or ``"auto"``
     (:func:`choose_algorithm`). Returns out ``[T_local, Hq, D]`` and, with ``return_lse``,
-    lse ``[Hq, T_local]`` in fp32 (not differentiable). Bad input raises the same error on
-    every rank of ``group``.
+    lse ``[Hq, T_local]`` in fp32 (not differentiable). Bad input, or ranks that disagree on the
+    plan or the call, raise the same error on every rank (:mod:`doccp.agreement`).
     """
-    me = comm.rank(group)
-    problem = _problem(q, k, v, plan, group, algorithm, backend, me)
-    key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype,
-           q.device, k.device, v.device, algorithm, backend)
-    comm.agree(problem, group, owner=plan, key=key)
+    problem = attention_problem(q, k, v, plan, group, algorithm, backend, scale)
+    agree(problem, group, call_fields(q, k, plan, algorithm, backend, scale))
+    return run_attention(q, k, v, plan, group, algorithm, scale, return_lse, backend)
+
+
+def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group: dist.ProcessGroup | None,
+                  algorithm: str, scale: float | None, return_lse: bool, backend: str
+                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention` after its arguments were checked and agreed on."""
     if algorithm == "auto":
         algorithm = choose_algorithm(plan, q.device)
-    sched = schedule(plan, me, algorithm)
+    sched = schedule(plan, comm.rank(group), algorithm)
     out, lse = ALGORITHMS[algorithm].apply(q, k, v, sched, plan.mask, default_scale(q, scale), backend, group)
     return (out, lse) if return_lse else out
 
 
-def _problem(q, k, v, plan, group, algorithm, backend, me) -> BaseException | None:
-    """The first thing wrong with the arguments on this rank (returned, not raised)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            return TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            return ValueError(f"{name} must be [T_local, heads, head_dim] (THD), got shape {tuple(t.shape)}")
+def call_fields(q: object, k: object, plan: object, algorithm: object, backend: object, scale: object
+                ) -> dict[str, object]:
+    """What must be equal on every rank of one CP attention call (see :func:`doccp.agreement.agree`)."""
+    tensors = isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+    return {
+        "plan": describe_plan(plan) if isinstance(plan, Plan) else None,
+        "algorithm": algorithm,
+        "backend": backend,
+        "heads and head_dim of q and k": (tuple(q.shape[1:]), tuple(k.shape[1:])) if tensors else None,
+        "dtype": str(q.dtype) if tensors else None,
+        "device type": q.device.type if tensors else None,
+        "scale": scale,
+    }
+
+
+def attention_problem(q: object, k: object, v: object, plan: object, group: dist.ProcessGroup | None,
+                      algorithm: object, backend: object, scale: object) -> Exception | None:
+    """The first thing wrong with the arguments of a CP attention call on this rank (returned)."""
+    problem = first(qkv_problem(q, k, v), scale_problem(scale),
+                    choice_problem(algorithm, "algorithm", ["auto", *ALGORITHMS]),
+                    choice_problem(backend, "backend", ["auto", *BACKENDS]))
+    if problem is not None:
+        return problem
     if not isinstance(plan, Plan):
         return TypeError(f"plan must be a doccp.Plan (from doccp.plan(...)), got {type(plan).__name__}")
-    if algorithm != "auto" and algorithm not in ALGORITHMS:
-        return ValueError(f"algorithm must be 'auto' or one of {sorted(ALGORITHMS)}, got {algorithm!r}")
-    if backend != "auto" and backend not in BACKENDS:
-        return ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
     problem = comm.check_group(plan.world_size, group)
     if problem is not None:
         return problem
-    if not (q.device == k.device == v.device):
-        return ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
-        return TypeError(f"q, k and v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        return ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[2] != k.shape[2]:
-        return ValueError(f"q and k must have the same head_dim, got {q.shape[2]} and {k.shape[2]}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        return ValueError(f"the number of query heads ({q.shape[1]}) must be a multiple of the number of "
-                          f"KV heads ({k.shape[1]}) for grouped-query attention")
+    me = comm.rank(group)
     expected = plan.local_sizes[me]
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.shape[0] != expected:
-            return ValueError(f"{name} has {t.shape[0]} tokens on rank {me}, but the plan gives this rank "
-                              f"{expected}; pass doccp.shard(x, plan, {me})")
+    if q.shape[0] != expected:
+        return ValueError(f"q, k and v have {q.shape[0]} tokens on rank {me}, but the plan gives this rank "
+                          f"{expected}; pass doccp.shard(x, plan, {me})")
     return None

@@ -21,12 +21,14 @@ from doccp.plan import Plan
 BACKGROUND = (1.0, 1.0, 1.0)
 
 
-def token_owners(plan: Plan) -> torch.Tensor:
-    """The rank holding each token of the stream, ``[T]`` int64."""
-    owner = torch.empty(plan.layout.num_tokens, dtype=torch.int64)
-    for r in range(plan.world_size):
-        owner[plan.indices(r)] = r
-    return owner
+def owners(plan: Plan, tokens: torch.Tensor) -> torch.Tensor:
+    """The rank holding each of ``tokens`` (stream indices): a binary search over the pieces,
+    so pictures of huge streams cost O(pieces + samples), never O(tokens)."""
+    p = plan.all_pieces
+    first = plan.layout.cu_seqlens[p.doc] + p.start
+    order = torch.argsort(first)
+    piece = torch.searchsorted(first[order], tokens, right=True) - 1
+    return p.rank[order][piece]
 
 
 def mask_image(plan: Plan, size: int = 768) -> torch.Tensor:
@@ -39,13 +41,12 @@ def mask_image(plan: Plan, size: int = 768) -> torch.Tensor:
         return torch.full((0, 0), -1, dtype=torch.int64)
     edges = torch.div(torch.arange(b + 1) * t, b, rounding_mode="floor")
     q = (edges[:-1] + edges[1:] - 1) // 2  # the middle query of each row band
-    owner = token_owners(plan)
-    doc = layout.doc_ids()[q]
+    doc = torch.searchsorted(layout.cu_seqlens, q, right=True) - 1
     start = layout.cu_seqlens[doc]
     pos = q - start
     lo, hi = plan.mask.visible_keys(pos, pos + 1, layout.lengths[doc])
     seen = (edges[None, :-1] < (start + hi)[:, None]) & (edges[None, 1:] > (start + lo)[:, None])
-    return torch.where(seen, owner[q][:, None], -1)
+    return torch.where(seen, owners(plan, q)[:, None], -1)
 
 
 def plot_plan(plan: Plan, path: str | Path, size: int = 768) -> Path:

@@ -24,19 +24,17 @@ Two halves, kept apart:
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.distributed as dist
 
 from doccp import comm
+from doccp.agreement import tensor_hash
 from doccp.inference.runs import Runs, offsets_within, spread
 from doccp.masks import Mask
 from doccp.plan import Plan
 
 #: Smallest region a sequence gets (rows), so early decode steps do not move regions.
 MIN_REGION = 16
-_serial = itertools.count()
 
 
 def _grown(size):
@@ -62,7 +60,6 @@ class ShardedKVCache:
         if rank >= world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         self.world_size, self.rank = world_size, rank
-        self.uid = next(_serial)  # names this cache in validation memos (unlike id(), never reused)
         self.num_seqs: int | None = None
         self.mask: Mask | None = None
         self.step = 0  # decode steps so far: the round-robin offset
@@ -97,6 +94,12 @@ class ShardedKVCache:
     def kv_shape(self) -> tuple[int, int] | None:
         """``(n_kv_heads, head_dim)`` once something was cached."""
         return None if self.k is None else (self.k.shape[1], self.k.shape[2])
+
+    def describe(self) -> str:
+        """The state every rank's cache must share (what is cached where, decode steps), in one line."""
+        seqs = "empty" if self.num_seqs is None else f"{self.num_seqs} sequences, {int(self.lengths.sum())} tokens"
+        return (f"ShardedKVCache(world_size={self.world_size}, {seqs}, {self.step} decode steps, mask {self.mask}, "
+                f"layout hash {tensor_hash(self.counts) & (2**64 - 1):016x})")
 
     def rank_lengths(self) -> torch.Tensor:
         """``[N, B]``: tokens of each sequence held by each rank."""

@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 
 from doccp import comm, kernels
+from doccp.agreement import agree
 from doccp.algorithms.ring_q import exchange_partials
 from doccp.algorithms.work import Work, attend_work
+from doccp.checks import choice_problem, first, qkv_problem, scale_problem
 from doccp.inference.cache import ShardedKVCache
 from doccp.inference.runs import Runs, work
 from doccp.kernels import BACKENDS, default_scale
@@ -38,10 +40,15 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: ShardedKVCa
     rank; with ``return_lse`` also lse ``[Hq, rows]`` (fp32). Bad input raises on every rank.
     """
     me = comm.rank(group)
-    problem = _problem(q, k, v, cache, group, backend)
-    key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-           backend, cache.num_seqs if isinstance(cache, ShardedKVCache) else None)
-    comm.agree(problem, group, owner=cache if isinstance(cache, ShardedKVCache) else None, key=key)
+    problem = _problem(q, k, v, cache, group, backend, scale)
+    tensors = isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+    agree(problem, group, {
+        "the KV cache": cache.describe() if isinstance(cache, ShardedKVCache) else None,
+        "q and k shapes": (tuple(q.shape), tuple(k.shape)) if tensors else None,
+        "dtype": str(q.dtype) if tensors else None,
+        "backend": backend,
+        "scale": scale,
+    })
     n, seqs = cache.world_size, cache.num_seqs
     pos = cache.append_decoded(k, v)
     every = torch.arange(seqs)
@@ -84,33 +91,21 @@ def _attend_grouped(q: torch.Tensor, cache: ShardedKVCache, parts: Work, scale: 
     return out, lse.view(hkv, b, g).transpose(1, 2).reshape(hq, b)
 
 
-def _problem(q, k, v, cache, group, backend) -> BaseException | None:
+def _problem(q, k, v, cache, group, backend, scale) -> BaseException | None:
     """The first thing wrong with the arguments on this rank (returned, not raised)."""
     if not isinstance(cache, ShardedKVCache):
         return TypeError(f"cache must be a doccp.ShardedKVCache, got {type(cache).__name__}")
-    problem = cache.problem(group)
+    problem = first(cache.problem(group), qkv_problem(q, k, v), scale_problem(scale),
+                    choice_problem(backend, "backend", ["auto", *BACKENDS]))
     if problem is not None:
         return problem
     if cache.num_seqs is None:
         return ValueError("decode before prefill: the KV cache holds no sequences yet; call doccp.prefill(...) "
                           "with the prompts first")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            return TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            return ValueError(f"{name} must be [B, heads, head_dim] (one new token per sequence), got shape "
-                              f"{tuple(t.shape)}")
-        if t.shape[0] != cache.num_seqs:
-            return ValueError(f"sequence count mismatch: {name} has {t.shape[0]} rows (one new token per "
-                              f"sequence) but the cache holds {cache.num_seqs} sequences")
-    if k.shape != v.shape:
-        return ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
-        return ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)}: same head_dim, and query heads a "
-                          "multiple of KV heads")
-    if q.dtype != k.dtype or q.device != k.device:
-        return TypeError(f"q and k/v must share dtype and device, got {q.dtype} on {q.device} and {k.dtype} on "
-                         f"{k.device}")
-    if backend != "auto" and backend not in BACKENDS:
-        return ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    if q.shape[0] != cache.num_seqs:
+        return ValueError(f"sequence count mismatch: q has {q.shape[0]} rows (one new token per sequence) but the "
+                          f"cache holds {cache.num_seqs} sequences")
+    if cache.mask.right != 0:
+        return ValueError(f"decode needs a mask that never looks ahead (right=0), but the cache was filled under "
+                          f"{cache.mask}")
     return cache.fit_problem(k)

@@ -21,10 +21,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from doccp import comm
-from doccp.algorithms import _problem as attention_problem
+from doccp.agreement import agree
+from doccp.algorithms import attention_problem, call_fields
 from doccp.algorithms.ring_kv import ring_forward
 from doccp.algorithms.ring_q import ring_pass_q
+from doccp.checks import choice_problem
 from doccp.inference.cache import ShardedKVCache
 from doccp.inference.heuristic import choose_prefill_algorithm
 from doccp.inference.runs import BIG, Runs, offsets_within, work
@@ -46,11 +47,10 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, cache
     ``"auto"`` (:func:`choose_prefill_algorithm`). Returns out ``[T_local, Hq, D]`` and, with
     ``return_lse``, lse ``[Hq, T_local]`` (fp32). Bad input raises the same error on every rank.
     """
-    me = comm.rank(group)
-    problem = _problem(q, k, v, plan, cache, group, algorithm, backend, me)
-    key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, q.device, k.device,
-           v.device, algorithm, backend, *((cache.uid, cache.num_seqs) if isinstance(cache, ShardedKVCache) else ()))
-    comm.agree(problem, group, owner=plan, key=key)
+    problem = _problem(q, k, v, plan, cache, group, algorithm, backend, scale)
+    fields = call_fields(q, k, plan, algorithm, backend, scale)
+    fields["the KV cache"] = cache.describe() if isinstance(cache, ShardedKVCache) else None
+    agree(problem, group, fields)
     n = plan.world_size
     offset = cache.lengths if cache.num_seqs is not None else torch.zeros(plan.layout.num_docs, dtype=torch.int64)
     if algorithm == "auto":
@@ -98,13 +98,17 @@ def _clip_to_others(runs: Runs, lo: torch.Tensor, hi: torch.Tensor, rank: int, n
     return runs.clip(lo.min(0).values[runs.doc], hi.max(0).values[runs.doc])
 
 
-def _problem(q, k, v, plan, cache, group, algorithm, backend, me) -> BaseException | None:
+def _problem(q, k, v, plan, cache, group, algorithm, backend, scale) -> BaseException | None:
     """The first thing wrong with the arguments on this rank (returned, not raised)."""
-    problem = attention_problem(q, k, v, plan, group, "auto", backend, me)
+    problem = attention_problem(q, k, v, plan, group, "auto", backend, scale)
     if problem is not None:
         return problem
     if not isinstance(cache, ShardedKVCache):
         return TypeError(f"cache must be a doccp.ShardedKVCache, got {type(cache).__name__}")
-    if algorithm != "auto" and algorithm not in ALGORITHMS:
-        return ValueError(f"algorithm must be 'auto' or one of {list(ALGORITHMS)}, got {algorithm!r}")
+    problem = choice_problem(algorithm, "algorithm", ["auto", *ALGORITHMS])
+    if problem is not None:
+        return problem
+    if plan.mask.right != 0:
+        return ValueError(f"prefill needs a mask that never looks ahead (right=0: causal or sliding_window(w)), got "
+                          f"{plan.mask}: a token cannot attend to tokens generated after it")
     return cache.problem(group, k, plan)

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from doccp import kernels
+from doccp.checks import mask_problem, qkv_problem, raise_if, scale_problem
 from doccp.layout import DocLayout
 from doccp.masks import Mask
 
@@ -53,36 +54,23 @@ def doc_packed_attn(q: Tensor, k: Tensor, v: Tensor, cu_rows: Tensor, mask: Mask
     """
     _check_inputs(q, k, v, cu_rows, mask, scale)
     left, right = mask.window_size()
-    out, lse = doc_packed_attn_op(q, k, v, cu_rows, left, right, scale)
+    out, lse = doc_packed_attn_op(q, k, v, cu_rows, left, right, None if scale is None else float(scale))
     return (out, lse) if return_lse else out
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_rows: Tensor, mask: Mask, scale: float | None) -> None:
-    """Shape, dtype and device checks: metadata only, so they trace and never sync."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("cu_rows", cu_rows)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not isinstance(mask, Mask):
-        raise TypeError(f"mask must be a doccp.Mask, got {type(mask).__name__}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be [B, S, H, D], got {shapes}")
-    b, s, hq, d = q.shape
-    if k.shape[:2] != (b, s) or v.shape[:3] != k.shape[:3] or k.shape[3] != d:
-        raise ValueError(f"k and v must be [B, S, Hkv, D] matching q's B, S (and D for k), got {shapes}")
-    if k.shape[2] == 0 or hq % k.shape[2] != 0:
-        raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({k.shape[2]}) for GQA")
-    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
-        raise TypeError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    """Shape, dtype and device checks (the rules of :mod:`doccp.checks`): metadata only, so they
+    trace and never sync."""
+    raise_if(qkv_problem(q, k, v, "BSHD") or mask_problem(mask) or scale_problem(scale))
+    if not isinstance(cu_rows, Tensor):
+        raise TypeError(f"cu_rows must be a torch.Tensor, got {type(cu_rows).__name__}")
     if cu_rows.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"cu_rows must be an int32 or int64 tensor, got {cu_rows.dtype}")
+    b = q.shape[0]
     if cu_rows.dim() != 2 or cu_rows.shape[0] != b or cu_rows.shape[1] < 2:
         raise ValueError(f"cu_rows must be [B={b}, MAX_DOCS+1 >= 2], got {tuple(cu_rows.shape)}")
-    if not (q.device == k.device == v.device == cu_rows.device):
-        raise ValueError(f"q, k, v, cu_rows must be on one device, got {q.device}, {k.device}, "
-                         f"{v.device}, {cu_rows.device}")
+    if cu_rows.device != q.device:
+        raise ValueError(f"cu_rows must be on q's device {q.device}, got {cu_rows.device}")
 
 
 # -- kernels on the flattened stream ------------------------------------------------------

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from doccp import comm
+from doccp.agreement import agree, describe_plan
 from doccp.layout import DocLayout, IntsLike, as_int_tensor
 from doccp.masks import Mask
 from doccp.plan import Plan, plan
@@ -124,13 +125,15 @@ def unshard_padded(x_local: torch.Tensor, doc_lens: IntsLike, max_len: int | Non
     the backward returns the rank's own part of the gradient (right when every rank computes
     the same function of the result).
     """
-    pp = padded_plan(doc_lens, comm.size(group))
-    longest = max(pp.doc_lens, default=0)
+    pp, problem = _padded_plan_or_problem(doc_lens, group, None)
+    longest = max(pp.doc_lens, default=0) if pp is not None else 0
     max_len = longest if max_len is None else max_len
-    problem = _problem(x_local, "x_local", pp.batch, pp.max_local)
+    if problem is None:
+        problem = _problem(x_local, "x_local", pp.batch, pp.max_local)
     if problem is None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < longest):
         problem = ValueError(f"max_len must be an int >= max(doc_lens)={longest}, got {max_len!r}")
-    comm.agree(problem, group, owner=pp, key=("unshard_padded", _shape(x_local), max_len))
+    agree(problem, group, {"plan": pp and describe_plan(pp.plan), "max_len": max_len,
+                           "x_local shape": _shape(x_local), "dtype": getattr(x_local, "dtype", None)})
     local = pp.local_layout(comm.rank(group)).pack_padded(x_local)
     stream = local if pp.plan.world_size == 1 else unshard(local, pp.plan, group)  # one rank: already in order
     return DocLayout.from_padded(pp.doc_lens, max_len).unpack_padded(stream)
@@ -148,27 +151,38 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens
     padding) and, with ``return_lse``, the fp32 log-sum-exp ``[B, max_local, Hq]``
     (``-inf`` in padding).
     """
-    from doccp.algorithms import attention
+    from doccp.algorithms import attention_problem, call_fields, run_attention
 
-    pp = padded_plan(doc_lens, comm.size(group), mask)
-    problem = None
+    pp, problem = _padded_plan_or_problem(doc_lens, group, mask)
     for name, t in (("q", q), ("k", k), ("v", v)):
         problem = problem or _problem(t, name, pp.batch, pp.max_local, ndims=(3, 4))
     if problem is None and not q.dim() == k.dim() == v.dim():
         problem = ValueError(f"q, k and v must all be 3-D or all 4-D, got {q.dim()}, {k.dim()}, {v.dim()}")
-    comm.agree(problem, group, owner=pp, key=("padded_attention", _shape(q), _shape(k), _shape(v)))
-    one_head = q.dim() == 3
+    one_head = problem is None and q.dim() == 3
     if one_head:
         q, k, v = (t.unsqueeze(2) for t in (q, k, v))
-    lay = pp.local_layout(comm.rank(group))
-    result = attention(*(lay.pack_padded(t) for t in (q, k, v)), pp.plan, group=group, algorithm=algorithm,
-                       scale=scale, return_lse=return_lse, backend=backend)
+    packed = (q, k, v)
+    if problem is None:  # the rank's THD shard: checked like any doccp.attention call
+        lay = pp.local_layout(comm.rank(group))
+        packed = tuple(lay.pack_padded(t) for t in (q, k, v))
+        problem = attention_problem(*packed, pp.plan, group, algorithm, backend, scale)
+    agree(problem, group, call_fields(packed[0], packed[1], pp and pp.plan, algorithm, backend, scale))
+    result = run_attention(*packed, pp.plan, group, algorithm, scale, return_lse, backend)
     out, lse = result if return_lse else (result, None)
     out = lay.unpack_padded(out)
     if lse is None:
         return out.squeeze(2) if one_head else out
     lse = lay.unpack_padded(lse.transpose(0, 1), fill=float("-inf"))
     return (out.squeeze(2), lse.squeeze(2)) if one_head else (out, lse)
+
+
+def _padded_plan_or_problem(doc_lens: object, group: dist.ProcessGroup | None, mask: Mask | None
+                            ) -> tuple[PaddedPlan | None, BaseException | None]:
+    """The padded plan for the group, or why there is none (returned, so ranks can agree on it)."""
+    try:
+        return padded_plan(doc_lens, comm.size(group), mask), None
+    except (ValueError, TypeError) as e:
+        return None, e
 
 
 def _shape(x: object) -> tuple[int, ...] | None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from doccp.kernels import cpu, cuda, reference
+from doccp.kernels import cpu, cuda, nonfinite, reference
 from doccp.kernels.merge import merge, merge_into
 from doccp.kernels.slices import Slices, doc_slices, pair_slices
 from doccp.masks import Mask
@@ -57,8 +57,16 @@ def default_scale(q: torch.Tensor, scale: float | None) -> float:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slices: Slices, mask: Mask,
            scale: float | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial attention of the query rows over the slices; rows in no slice get 0 / -inf."""
-    return BACKENDS[resolve_backend(backend, q)][0](q, k, v, slices, mask, default_scale(q, scale))
+    """Partial attention of the query rows over the slices; rows in no slice get 0 / -inf.
+
+    Any strides are fine (a tensor whose last dimension is not dense is copied once). On host
+    CPU tensors, NaN/inf inputs poison exactly the rows that see them (:mod:`.nonfinite`)."""
+    q, k, v = dense_last(q), dense_last(k), dense_last(v)
+    forward = BACKENDS[resolve_backend(backend, q)][0]
+    if q.device.type == "cpu" and not nonfinite.all_finite(q, k, v):  # (on a GPU the check would sync)
+        out, lse = forward(*nonfinite.zeroed(q, k, v), slices, mask, default_scale(q, scale))
+        return nonfinite.poison(out, lse, q, k, v, slices, mask)
+    return forward(q, k, v, slices, mask, default_scale(q, scale))
 
 
 def attend_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -66,5 +74,13 @@ def attend_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     scale: float | None = None, backend: str = "auto"
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of the slices' contribution, given the final out and lse of the rows."""
+    dout, q, k, v, out = (dense_last(x) for x in (dout, q, k, v, out))
+    if q.device.type == "cpu" and not nonfinite.all_finite(q, k, v):  # poisoned rows carry NaN in out/lse
+        q, k, v = nonfinite.zeroed(q, k, v)
     return BACKENDS[resolve_backend(backend, q)][1](
         dout, q, k, v, out, lse, slices, mask, default_scale(q, scale))
+
+
+def dense_last(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its last dimension is dense (what every kernel needs), else a copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()

@@ -30,6 +30,7 @@ from doccp.app import demo
 from doccp.app.cli.main import UsageError
 from doccp.app.cli.progress import Step
 from doccp.app.corpus import Batch, pack, scan, stdlib_dir
+from doccp.layout import MAX_TOKENS
 from doccp.masks import Mask
 from doccp.plan import STRATEGIES
 
@@ -80,11 +81,11 @@ class Options:
 
 def _options(args: argparse.Namespace) -> Options:
     """Validate the flags (every problem is one line and exit code 2)."""
-    for flag, minimum in (("tokens", 1), ("max_doc_len", 1), ("world_size", 1), ("decode_tokens", 0),
-                          ("threads", 0)):
+    for flag, minimum, maximum in (("tokens", 1, MAX_TOKENS), ("max_doc_len", 1, MAX_TOKENS),
+                                   ("world_size", 1, 1 << 12), ("decode_tokens", 0, 1 << 16), ("threads", 0, 1 << 12)):
         value = getattr(args, flag)
-        if value < minimum:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= {minimum}, got {value}")
+        if not minimum <= value <= maximum:
+            raise UsageError(f"--{flag.replace('_', '-')} must be in [{minimum}, {maximum}], got {value}")
     if args.tokens < args.world_size:
         raise UsageError(f"--tokens ({args.tokens}) must be at least --world-size ({args.world_size}): "
                          "every rank needs a token")

@@ -12,8 +12,10 @@ import re
 import string
 from pathlib import Path
 
+import torch
+
 from doccp.app.cli.main import UsageError
-from doccp.app.plot import token_owners
+from doccp.app.plot import owners
 from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan import STRATEGIES, Plan, plan
@@ -21,6 +23,8 @@ from doccp.plan import STRATEGIES, Plan, plan
 #: Rank symbols of the text picture (ranks beyond 36 are not drawn).
 SYMBOLS = string.digits + string.ascii_lowercase
 PICTURE_DOCS, PICTURE_WIDTH = 12, 64
+#: Most ranks the command plans for (the per-rank table has one line each).
+MAX_WORLD_SIZE = 1 << 16
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,12 +75,12 @@ def text_picture(p: Plan) -> str:
     character per token, or per band of tokens for long documents)."""
     if p.world_size > len(SYMBOLS) or p.layout.num_tokens == 0:
         return ""
-    owner = token_owners(p).tolist()
     cu, lines = p.layout.cu_seqlens.tolist(), []
     for doc in range(min(p.layout.num_docs, PICTURE_DOCS)):
         start, length = cu[doc], cu[doc + 1] - cu[doc]
         width = min(length, PICTURE_WIDTH)
-        cells = "".join(SYMBOLS[owner[start + (2 * c + 1) * length // (2 * width)]] for c in range(width))
+        sampled = [start + (2 * c + 1) * length // (2 * width) for c in range(width)]
+        cells = "".join(SYMBOLS[r] for r in owners(p, torch.tensor(sampled, dtype=torch.int64)).tolist())
         lines.append(f"  doc {doc:<4} {length:>7}  {cells}")
     if p.layout.num_docs > PICTURE_DOCS:
         lines.append(f"  ... {p.layout.num_docs - PICTURE_DOCS} more documents")
@@ -106,8 +110,8 @@ def _world_size(text: str) -> int:
         n = int(text)
     except ValueError:
         raise UsageError(f"--world-size must be an integer >= 1, got {text!r}") from None
-    if n < 1:
-        raise UsageError(f"--world-size must be >= 1, got {n}")
+    if not 1 <= n <= MAX_WORLD_SIZE:
+        raise UsageError(f"--world-size must be in [1, {MAX_WORLD_SIZE}], got {n}")
     return n
 
 
