@@ -40,7 +40,7 @@ def choose_algorithm(plan: Plan, device: torch.device | str | None = None) -> st
     ring when its volume is at most ``RING_VOLUME_RATIO`` x the all-gather's (so the overlap
     pays for the extra bytes) and there is anything to move at all; else all-gather.
 
-    On CPU (gloo) a hop does not overlap compute (measured: bench/cp.py, bench/inference.py),
+    On CPU (gloo) a hop does not overlap compute (bench/cp.py, bench/inference.py; docs/benchmarks.md),
     so the all-gather is always at least as fast there and is chosen."""
     ag = max(predicted_kv_tokens(plan, "allgather"), default=0)
     if plan.world_size == 1 or ag == 0 or torch.device(device or "cpu").type == "cpu":

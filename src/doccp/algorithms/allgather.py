@@ -34,18 +34,20 @@ class AllGatherAttention(torch.autograd.Function):
         k_arr, v_arr = gathered.index_select(0, arrange).split(hkv, 1)
         out, lse = kernels.attend(q, k_arr, v_arr, sched.slices, mask, scale, backend)
         ctx.save_for_backward(q, k_arr, v_arr, out, lse, arrange)
-        ctx.setup = (sched, mask, scale, backend, group, gathered.shape[0], k.shape[0], k.dtype, hkv)
+        ctx.sched, ctx.mask, ctx.scale, ctx.backend, ctx.group = sched, mask, scale, backend, group
+        ctx.gathered_rows, ctx.local_rows, ctx.kv_dtype = gathered.shape[0], k.shape[0], k.dtype
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k_arr, v_arr, out, lse, arrange = ctx.saved_tensors
-        sched, mask, scale, backend, group, rows, local_rows, dtype, hkv = ctx.setup
+        sched, group, local_rows, hkv = ctx.sched, ctx.group, ctx.local_rows, k_arr.shape[1]
         me = comm.rank(group)
-        dq, dk, dv = kernels.attend_backward(dout, q, k_arr, v_arr, out, lse, sched.slices, mask, scale, backend)
+        dq, dk, dv = kernels.attend_backward(dout, q, k_arr, v_arr, out, lse, sched.slices, ctx.mask, ctx.scale,
+                                             ctx.backend)
         dkv_arr = torch.cat([dk, dv], 1).to(torch.promote_types(dk.dtype, torch.float32))  # fp32 sums
-        dkv = dkv_arr.new_zeros((rows, *dkv_arr.shape[1:])).index_add_(0, arrange, dkv_arr)
+        dkv = dkv_arr.new_zeros((ctx.gathered_rows, *dkv_arr.shape[1:])).index_add_(0, arrange, dkv_arr)
         # Received rows' gradients go back to their owners; ours come back from them.
         bounds = torch.tensor([local_rows, *sched.recv_sizes]).cumsum(0).tolist()
         sends = [None if p == me else dkv[bounds[p]:bounds[p + 1]] for p in range(len(sched.recv_sizes))]
@@ -55,5 +57,5 @@ class AllGatherAttention(torch.autograd.Function):
         for rows_sent, grad in zip(sched.send_rows, returned, strict=True):
             if grad is not None:
                 dkv_local.index_add_(0, rows_sent.to(grad.device), grad)
-        dk_local, dv_local = dkv_local.to(dtype).split(hkv, 1)
+        dk_local, dv_local = dkv_local.to(ctx.kv_dtype).split(hkv, 1)
         return dq, dk_local, dv_local, None, None, None, None, None

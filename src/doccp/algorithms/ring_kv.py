@@ -19,19 +19,11 @@ import torch
 
 from doccp import comm, kernels
 from doccp.algorithms.schedule import RingSchedule
-from doccp.algorithms.work import Work, accumulators, attend_into
+from doccp.algorithms.work import Work, accumulators, attend_into, take_rows
 
 
 def _block_shape(sched: RingSchedule, owner: int, like: torch.Tensor) -> tuple[int, ...]:
     return (sched.block_sizes[owner % len(sched.block_sizes)], *like.shape[1:])
-
-
-def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``x[rows]``: a view (no copy) when the rows are one ascending run, else a gather."""
-    n = rows.numel()
-    if n and int(rows[-1]) - int(rows[0]) == n - 1 and (n == 1 or bool((rows[1:] - rows[:-1] == 1).all())):
-        return x[int(rows[0]):int(rows[0]) + n]
-    return x.index_select(0, rows.to(x.device))
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_rows: torch.Tensor, block_sizes: list[int],
@@ -63,14 +55,14 @@ class RingKVAttention(torch.autograd.Function):
         out, lse = ring_forward(q, k, v, sched.own_block_rows, sched.block_sizes, steps, scale, backend, group)
         out = out.to(q.dtype)  # lse stays fp32 (fp64 for fp64 inputs)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.setup = (sched, mask, scale, backend, group)
+        ctx.sched, ctx.mask, ctx.scale, ctx.backend, ctx.group = sched, mask, scale, backend, group
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        sched, mask, scale, backend, group = ctx.setup
+        sched, mask, scale, backend, group = ctx.sched, ctx.mask, ctx.scale, ctx.backend, ctx.group
         me, n, hkv = comm.rank(group), comm.size(group), k.shape[1]
         kv = torch.cat([k, v], 1)
         grad_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 
 from doccp import comm, kernels
-from doccp.algorithms.ring_kv import take_rows
-from doccp.algorithms.work import Work, attend_work
+from doccp.algorithms.work import Work, attend_work, take_rows
 
 
 def exchange_partials(parts: list[tuple[torch.Tensor, torch.Tensor] | None], recv_rows: list[int],

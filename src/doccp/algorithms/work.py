@@ -40,3 +40,11 @@ def attend_work(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, work: Work, s
     out, lse = accumulators(q, dim=v.shape[2])
     attend_into(out, lse, q, k, v, work, scale, backend)
     return out, lse
+
+
+def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x[rows]``: a view (no copy) when the rows are one ascending run, else a gather."""
+    n = rows.numel()
+    if n and int(rows[-1]) - int(rows[0]) == n - 1 and (n == 1 or bool((rows[1:] - rows[:-1] == 1).all())):
+        return x[int(rows[0]):int(rows[0]) + n]
+    return x.index_select(0, rows.to(x.device))

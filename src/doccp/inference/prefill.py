@@ -27,7 +27,7 @@ from doccp.algorithms.ring_kv import ring_forward
 from doccp.algorithms.ring_q import ring_pass_q
 from doccp.checks import choice_problem
 from doccp.inference.cache import ShardedKVCache
-from doccp.inference.heuristic import choose_prefill_algorithm
+from doccp.inference.heuristic import Calibration, choose_prefill_algorithm
 from doccp.inference.runs import BIG, Runs, offsets_within, work
 from doccp.kernels import default_scale
 from doccp.plan import Plan
@@ -37,15 +37,18 @@ ALGORITHMS = ("pass_kv", "pass_q")
 
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, cache: ShardedKVCache,
             group: dist.ProcessGroup | None = None, algorithm: str = "auto", scale: float | None = None,
-            backend: str = "auto", return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            backend: str = "auto", return_lse: bool = False, calibration: Calibration | None = None
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of this rank's new tokens over cached + new keys; appends the new KV.
 
     q ``[T_local, Hq, D]``, k/v ``[T_local, Hkv, D]`` are this rank's shards of the new tokens
     (``doccp.shard(x, plan, rank)``); ``plan.layout`` has one document per sequence of the
     cache (zero-length for sequences without new tokens) and ``plan.mask`` is the mask. With
     an empty cache this is a full prefill. ``algorithm``: ``"pass_kv"``, ``"pass_q"`` or
-    ``"auto"`` (:func:`choose_prefill_algorithm`). Returns out ``[T_local, Hq, D]`` and, with
-    ``return_lse``, lse ``[Hq, T_local]`` (fp32). Bad input raises the same error on every rank.
+    ``"auto"`` (:func:`choose_prefill_algorithm`, from ``calibration``; without one, the first
+    ``auto`` prefill on a group runs :func:`~doccp.inference.calibrate`, a collective
+    micro-benchmark of the group cached for later calls). Returns out ``[T_local, Hq, D]`` and,
+    with ``return_lse``, lse ``[Hq, T_local]`` (fp32). Bad input raises the same error on every rank.
     """
     problem = _problem(q, k, v, plan, cache, group, algorithm, backend, scale)
     fields = call_fields(q, k, plan, algorithm, backend, scale)
@@ -56,7 +59,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, cache
     if algorithm == "auto":
         new = plan.layout.lengths
         algorithm = choose_prefill_algorithm(int(new.sum()), int(offset[new > 0].sum()), n, q.shape[1], k.shape[1],
-                                             dtype=q.dtype, head_dim=q.shape[2], group=group, device=q.device)
+                                             dtype=q.dtype, head_dim=q.shape[2], calibration=calibration, group=group,
+                                             device=q.device)
     cache.append(k, v, plan)
     p = plan.all_pieces
     queries = Runs(p.rank, p.doc, offsets_within(p.rank, p.length), offset[p.doc] + p.start, p.length,

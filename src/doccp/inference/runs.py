@@ -23,10 +23,10 @@ import torch
 
 from doccp.algorithms.work import Work
 from doccp.kernels.slices import pair_slices
-from doccp.masks import Mask
+from doccp.masks import UNBOUNDED, Mask
 
-#: An empty hull is ``(BIG, -BIG)``; far beyond any position or mask bound.
-BIG = 1 << 50
+#: An empty hull is ``(BIG, -BIG)``: beyond any position plus any mask bound (``UNBOUNDED``).
+BIG = 4 * UNBOUNDED
 FULL = Mask.full()
 
 

@@ -73,9 +73,6 @@ class PaddedPlan:
         self.plan._check_rank(rank)
         return self._local_layouts[rank]
 
-    def local_lengths(self, rank: int) -> torch.Tensor:
-        return self.local_layout(rank).lengths
-
     def source_index(self, rank: int, row_len: int) -> torch.Tensor:
         """Flat index into ``[B * row_len]`` of each token of the rank's THD shard."""
         return self.plan.doc_ids(rank) * row_len + self.plan.positions(rank)

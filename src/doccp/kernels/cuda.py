@@ -10,7 +10,7 @@ sequence sees key ``j`` of an ``n``-row sequence iff
 ``n - m + i - left <= j <= n - m + i + right``. A slice whose first rows sit at document
 positions ``qp``/``kp`` sees ``j`` iff ``qp + i - L <= kp + j <= qp + i + R``: the same
 band, with ``left = L + (n - m) - (qp - kp)`` and ``right = R - (n - m) + (qp - kp)``. After
-:func:`~doccp.kernels.cpu.trim` both are ``>= 0`` (the last row sees some key, the last key
+:func:`~doccp.kernels.slices.trim` both are ``>= 0`` (the last row sees some key, the last key
 is seen by the last row), so every slice is one flash window and slices with equal windows
 run as one varlen call (for one device, all documents share ``(L, R)``: a single call).
 
@@ -26,8 +26,8 @@ import functools
 
 import torch
 
-from doccp.kernels.cpu import merge_rows, trim
-from doccp.kernels.slices import Slices
+from doccp.kernels.merge import merge_rows
+from doccp.kernels.slices import Slices, trim
 from doccp.masks import Mask
 
 DTYPES = (torch.float16, torch.bfloat16)
