@@ -71,7 +71,7 @@ def run(rank: int, attn: str, tokens: int, max_doc_len: int, repeats: int) -> tu
             doccp.hf.all_reduce_gradients(model)
             loss = loss.detach().clone()
             dist.all_reduce(loss)
-        return float(loss)
+        return float(loss.detach())
 
     before = rss_mb()
     loss = step()

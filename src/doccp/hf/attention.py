@@ -20,6 +20,7 @@ positions, so transformers builds no ``[T, T]`` mask) and refuses padding masks.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -133,7 +134,23 @@ def _local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scalin
                          f"{q.shape[0]}")
     from doccp.varlen import varlen_attention
 
-    return varlen_attention(q, k, v, DocLayout.from_position_ids(position_ids.reshape(1, -1)), mask, scale=scaling)
+    return varlen_attention(q, k, v, _layout_of(position_ids), mask, scale=scaling)
+
+
+_last_layout: tuple[weakref.ref, int, DocLayout] | None = None
+
+
+def _layout_of(position_ids: torch.Tensor) -> DocLayout:
+    """The documents of ``position_ids``, read once per forward: every layer gets the same tensor,
+    and reading it copies it to the host (a device sync on GPUs)."""
+    global _last_layout
+    if _last_layout is not None:
+        ref, version, layout = _last_layout
+        if ref() is position_ids and version == position_ids._version:
+            return layout
+    layout = DocLayout.from_position_ids(position_ids.reshape(1, -1))
+    _last_layout = (weakref.ref(position_ids), position_ids._version, layout)
+    return layout
 
 
 def no_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
