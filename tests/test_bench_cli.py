@@ -82,6 +82,6 @@ def test_script_may_return_its_markdown_or_an_exit_code(tmp_path, capsys):
 def test_bad_input(tmp_path, capsys):
     assert main(["bench", "--only", "plan,gpu"]) == 2
     assert capsys.readouterr().err.strip() == ("doccp bench: error: --only must list some of "
-                                               "plan,kernels,cp,inference, got 'plan,gpu'")
+                                               "plan,kernels,cp,inference,hf, got 'plan,gpu'")
     assert main(["bench", "--bench-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "b.md")]) == 2
     assert "no benchmark folder" in capsys.readouterr().err

@@ -108,6 +108,30 @@ class DocLayout:
         return cls(cu.clone())
 
     @classmethod
+    def from_position_ids(cls, position_ids: IntsLike) -> DocLayout:
+        """Documents of a padding-free stream from its per-token positions (``[T]`` or ``[1, T]``).
+
+        A document starts wherever the position does not continue the previous one
+        (``position_ids[i] != position_ids[i-1] + 1``), the rule Hugging Face transformers
+        uses for packed sequences, so any start value works (``DataCollatorWithFlattening``'s
+        ``position_ids_start``). Zero-length documents cannot be expressed this way.
+        """
+        pos = as_int_tensor(position_ids, "position_ids", ndim=2 if _is_2d(position_ids) else 1)
+        if pos.dim() == 2:
+            if pos.shape[0] != 1:
+                raise ValueError(f"position_ids must be [T] or [1, T] (one packed stream), got shape "
+                                 f"{tuple(pos.shape)}; flatten the batch (DataCollatorWithFlattening)")
+            pos = pos[0]
+        if pos.numel() == 0:
+            return cls(torch.zeros(1, dtype=torch.int64))
+        if pos.numel() > MAX_TOKENS:
+            raise ValueError(f"position_ids hold {pos.numel()} tokens, more than a layout holds "
+                             f"(MAX_TOKENS = 2**31 - 1 = {MAX_TOKENS})")
+        starts = torch.nonzero(torch.diff(pos) != 1).flatten() + 1
+        bounds = torch.cat([torch.zeros(1, dtype=torch.int64), starts, torch.tensor([pos.numel()])])
+        return cls(bounds)
+
+    @classmethod
     def from_padded(cls, doc_lens: IntsLike, max_len: int) -> DocLayout:
         """One document per row of a padded ``[B, max_len, ...]`` batch (tokens left-aligned).
 
@@ -278,3 +302,10 @@ def _check_int(value: object, name: str, minimum: int, maximum: int = MAX_TOKENS
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if not minimum <= value <= maximum:
         raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
+
+
+def _is_2d(values: IntsLike) -> bool:
+    if isinstance(values, torch.Tensor):
+        return values.dim() == 2
+    first = next(iter(values), None)
+    return first is not None and not isinstance(first, int) and hasattr(first, "__len__")

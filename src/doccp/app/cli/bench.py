@@ -1,6 +1,6 @@
 """Run the benchmark scripts and regenerate docs/benchmarks.md.
 
-Each script in the repository's bench/ folder (plan, kernels, cp, inference) has a
+Each script in the repository's bench/ folder (plan, kernels, cp, inference, hf) has a
 ``main(argv)`` that prints one markdown section. This command runs the selected ones, saves
 each section to docs/results/<name>.md, and rebuilds docs/benchmarks.md from the machine
 description and every saved section, so `--only cp` refreshes one section and keeps the
@@ -26,7 +26,7 @@ import torch
 from doccp.app.cli.main import UsageError
 from doccp.app.cli.progress import Step
 
-SECTIONS = ("plan", "kernels", "cp", "inference")
+SECTIONS = ("plan", "kernels", "cp", "inference", "hf")
 REPO = Path(__file__).resolve().parents[3]  # src/doccp/cli/bench.py -> repository root
 
 
