@@ -163,7 +163,7 @@ def _blocks(plan: Plan) -> tuple[Pieces, torch.Tensor, torch.Tensor]:
     head_end = torch.where(p.start > 0, torch.minimum(p.end, p.start + mask.right_bound), p.start)
     tail_start = torch.where(p.end < length, torch.maximum(p.start, p.end - mask.left_bound), p.end)
     joined = head_end >= tail_start
-    lo = torch.stack([p.start, torch.where(joined, head_end, tail_start)], 1)
+    lo = torch.stack([p.start, torch.where(joined, p.end, tail_start)], 1)
     hi = torch.stack([torch.where(joined, p.end, head_end), p.end], 1)
     rank, doc = (x[:, None].expand(-1, 2).reshape(-1) for x in (p.rank, p.doc))
     blocks = Pieces(rank, doc, lo.reshape(-1), hi.reshape(-1))
