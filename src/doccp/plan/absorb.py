@@ -42,20 +42,16 @@ def absorb(layout: DocLayout, world_size: int, mask: Mask, work: torch.Tensor) -
     n = world_size
     lengths = layout.lengths
     by_length = torch.argsort(lengths, descending=True, stable=True)
-    # Absorbers are documents that cannot stay whole anyway (more than a rank's tokens or
-    # work), so short documents stay whole; the largest one when none must be cut.
-    must = max(int(((lengths > layout.num_tokens / n) | (work.double() > float(work.sum()) / n)).sum()), 1)
     best, best_spread = None, float("inf")
     for share in SPLIT_SHARES:
         for count in ABSORBERS:
-            count = min(count, must)
             pieces, loads = _balanced_with(layout, n, mask, work, by_length[:count], share)
             spread = float(loads.max()) / max(float(loads.double().mean()), 1.0)
             if spread < best_spread:
                 best, best_spread = pieces, spread
             if spread <= GOOD_ENOUGH:
                 return best
-            if count >= must:
+            if count >= layout.num_docs:
                 break
     return best
 
@@ -81,15 +77,25 @@ def _balanced_with(layout: DocLayout, n: int, mask: Mask, work: torch.Tensor,
     loads = torch.zeros(n, dtype=torch.int64).index_add_(
         0, split_pieces.rank, _piece_work(split_pieces, lengths, mask))
 
-    # Reserve each rank a share of every absorber, so every rank can still be corrected.
+    # Reserve each rank a share of every absorber, so every rank can still be corrected; if
+    # that leaves a document no room to stay whole, pack first and reserve what is left.
     available = (target_tokens - tokens).clamp(min=0)
-    reserves = []
-    for doc in absorbers.tolist():
-        reserves.append(_apportion(int(lengths[doc]), available))
-        available = available - reserves[-1]
     is_split[absorbers] = True  # not packed whole
-    room, load = available.tolist(), loads.tolist()
-    placed, spill = _pack_whole(lengths, work, is_split, room, load, target_work, capacity)
+    for pack_first in (False, True):
+        reserves, room, load = [], available.tolist(), loads.tolist()
+        if pack_first:
+            placed, spill = _pack_whole(lengths, work, is_split, room, load, target_work, capacity)
+        left = torch.tensor(room)
+        for doc in absorbers.tolist():
+            reserves.append(_apportion(int(lengths[doc]), left))
+            left = left - reserves[-1]
+        if not pack_first:
+            room = left.tolist()
+            placed, spill = _pack_whole(lengths, work, is_split, room, load, target_work, capacity)
+            if not spill:
+                break
+        else:
+            room = left.tolist()
     whole_docs = torch.tensor([d for d, _ in placed], dtype=torch.int64)
     whole_pieces = Pieces.of(torch.tensor([r for _, r in placed], dtype=torch.int64),
                              whole_docs, 0, lengths[whole_docs])
