@@ -183,3 +183,13 @@ def test_auto_rule_prefers_allgather_on_cpu_and_weighs_volume_on_gpu():
     assert choose_algorithm(split, "cuda") == "ring_kv"  # ring volume == all-gather volume here
     whole = doccp.plan(DocLayout.from_lengths([5, 5]), 2, strategy="contiguous")
     assert choose_algorithm(whole, "cuda") == "allgather"  # nothing to move at all
+
+
+def test_attention_balanced_plans_odd_world():
+    """Plans of the balanced planner (packed whole documents, chain cuts) at odd N, with
+    zero-length and 1-token documents and fewer tokens than ranks."""
+    rng = random.Random(3)
+    many = [rng.choice([0, 1, rng.randint(2, 30)]) for _ in range(24)]
+    cases = [(lengths, "balanced", mask, algorithm, i) for i, (lengths, mask, algorithm) in enumerate(
+        itertools.product([many, [1, 0, 1]], [Mask.causal(), Mask.sliding_window(4, 3)], ALGORITHMS))]
+    check(spawn(run_cases, 3, 3, cases, threads=1), cases, 3)
