@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from doccp import DocLayout, Mask, plan
-from doccp.algorithms.schedule import schedule
+from doccp.algorithms.registry import schedule_of
 from doccp.app import workloads
 from doccp.plan import STRATEGIES
 from doccp.plan.bound import kv_lower_bound
@@ -46,8 +46,8 @@ def one_rank(layout: DocLayout, n: int, strategy: str, rank: int | None = None) 
     rank = n // 2 if rank is None else rank
     start = time.perf_counter()
     p = plan(layout, n, Mask.causal(), strategy)
-    schedule(p, rank, "allgather")
-    schedule(p, rank, "ring_kv")
+    schedule_of("allgather", p, rank)
+    schedule_of("ring_kv", p, rank)
     p.indices(rank)
     return time.perf_counter() - start
 

@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from doccp import DocLayout
-from doccp.layout import repeat_interleave
 
 SETTINGS = settings(max_examples=100, deadline=None)
 
@@ -56,14 +55,6 @@ def test_from_position_ids(lengths, start):
     assert DocLayout.from_position_ids(positions.unsqueeze(0)) == layout
     assert DocLayout.from_position_ids([positions.tolist()]) == layout
     assert DocLayout.from_position_ids(positions.tolist()) == layout
-
-
-@SETTINGS
-@given(st.lists(st.tuples(st.integers(-100, 100), st.integers(0, 4)), max_size=10))
-def test_repeat_interleave_matches_torch(runs):
-    values = torch.tensor([v for v, _ in runs], dtype=torch.int64)
-    counts = torch.tensor([c for _, c in runs], dtype=torch.int64)
-    assert torch.equal(repeat_interleave(values, counts), torch.repeat_interleave(values, counts))
 
 
 def test_input_types_and_repr():

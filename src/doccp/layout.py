@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from doccp.ranges import repeat
+
 IntsLike = Sequence[int] | torch.Tensor
 
 #: Most tokens a layout may hold: cu_seqlens fit in int32 (what varlen kernels take) and exact
@@ -143,7 +145,7 @@ class DocLayout:
         if (lens < 0).any() or (lens > max_len).any():
             raise ValueError(f"doc_lens must lie in [0, max_len={max_len}], got {lens.tolist()[:8]}")
         layout = cls(_cumsum0(lens), rows=(lens.numel(), max_len))
-        rows = repeat_interleave(torch.arange(lens.numel()), lens)
+        rows = repeat(torch.arange(lens.numel()), lens)
         index = rows * max_len + layout.positions()
         object.__setattr__(layout, "_padded_index", index)
         return layout
@@ -193,11 +195,11 @@ class DocLayout:
 
     def doc_ids(self) -> torch.Tensor:
         """Document of every token of the stream, ``[num_tokens]`` int64."""
-        return repeat_interleave(torch.arange(self.num_docs), self.lengths, self.num_tokens)
+        return repeat(torch.arange(self.num_docs), self.lengths, self.num_tokens)
 
     def positions(self) -> torch.Tensor:
         """Document-relative position of every token (what RoPE wants), ``[num_tokens]``."""
-        starts = repeat_interleave(self.cu_seqlens[:-1], self.lengths, self.num_tokens)
+        starts = repeat(self.cu_seqlens[:-1], self.lengths, self.num_tokens)
         return torch.arange(self.num_tokens) - starts
 
     def next_token_targets(self, tokens: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -258,31 +260,6 @@ class DocLayout:
 
     def __hash__(self) -> int:
         return hash(tuple(self.cu_seqlens.tolist()))
-
-
-def repeat_interleave(values: torch.Tensor, counts: torch.Tensor, total: int | None = None) -> torch.Tensor:
-    """Integer ``values[i]`` repeated ``counts[i]`` times, as ``torch.repeat_interleave`` does.
-
-    The torch op parallelises with grain size 1 on CPU, so every call wakes the intra-op
-    thread pool: milliseconds per call on a busy host, and planning makes dozens of calls.
-    Here the first element of each run carries the step from the previous value and a
-    cumsum fills the runs: serial on small inputs, and no gather on large ones.
-    """
-    total = int(counts.sum()) if total is None else total
-    steps = torch.zeros(total + 1, dtype=torch.int64)
-    steps.index_add_(0, torch.cumsum(counts, 0) - counts, torch.diff(values, prepend=values.new_zeros(1)))
-    return torch.cumsum(steps[:total], 0)
-
-
-def expand_ranges(first: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``cat([first[i] + arange(counts[i]) for i])`` without a Python loop: steps of 1, except
-    where a run starts, which jumps from where the previous run would have gone on; one
-    cumsum over one buffer (this is most of the cost of ``indices`` on long streams)."""
-    total = int(counts.sum())
-    offsets = torch.cumsum(counts, 0) - counts
-    jumps = torch.diff(first - offsets, prepend=first.new_ones(1))
-    steps = torch.ones(total + 1, dtype=torch.int64).index_add_(0, offsets, jumps)
-    return steps[:total].cumsum_(0)
 
 
 def _cumsum0(lengths: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,6 @@ serves every training algorithm.
 from __future__ import annotations
 
 import weakref
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -60,7 +59,7 @@ class Call:
     group: dist.ProcessGroup | None
 
 
-class Algorithm(ABC):
+class Algorithm:
     """The protocol every CP algorithm implements (module docstring)."""
 
     #: Registry name (``doccp.attention(..., algorithm=name)``).
@@ -71,14 +70,16 @@ class Algorithm(ABC):
     prefill_name: ClassVar[str | None] = None
     #: Whether ``doccp.attention`` (forward and backward) offers it.
     trains: ClassVar[bool] = True
+    #: Whether its transfers hide behind compute where the device allows (GPU copy engines).
+    overlaps_compute: ClassVar[bool] = False
 
     def problem(self, plan: Plan, shapes: Shapes, group: dist.ProcessGroup | None) -> Exception | None:
         """Why this algorithm cannot run this call (returned, so the ranks can agree), or None."""
         return None
 
-    @abstractmethod
     def schedule(self, plan: Plan, rank: int) -> Any:
         """Host-side bookkeeping of ``rank`` for ``plan`` (cached by :func:`schedule_of`)."""
+        raise TypeError(f"the {self.name!r} algorithm has no plan schedule (it does not train)")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call
                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -89,12 +90,15 @@ class Algorithm(ABC):
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise TypeError(f"the {self.name!r} algorithm does not train")
 
-    @abstractmethod
     def received_bytes(self, plan: Plan, shapes: Shapes) -> list[int]:
         """Bytes each rank receives in the forward pass (predicted from the plan)."""
+        raise TypeError(f"the {self.name!r} algorithm has no plan-based traffic prediction (it does not train)")
 
     def prefill(self, q: torch.Tensor, cache: Any, queries: Any, scale: float, backend: str,
                 group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Merged fp32 ``out``/``lse`` of this rank's new queries (``queries``: every rank's query
+        runs) over every rank's KV cache (``cache``: a :class:`~doccp.inference.ShardedKVCache`,
+        whose new KV is appended already)."""
         raise TypeError(f"the {self.name!r} algorithm does not prefill; use one of {sorted(prefilling())}")
 
 
@@ -123,8 +127,11 @@ def prefilling() -> dict[str, Algorithm]:
 _schedules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def schedule_of(algorithm: Algorithm, plan: Plan, rank: int) -> Any:
-    """``algorithm.schedule(plan, rank)``, computed once and kept as long as the plan lives."""
+def schedule_of(algorithm: Algorithm | str, plan: Plan, rank: int) -> Any:
+    """``algorithm.schedule(plan, rank)`` (an algorithm or its name), computed once and kept as
+    long as the plan lives."""
+    algorithm = ALGORITHMS[algorithm] if isinstance(algorithm, str) else algorithm
+    plan.check_rank(rank)
     per_plan = _schedules.setdefault(plan, {})
     key = (algorithm.name, rank)
     if key not in per_plan:

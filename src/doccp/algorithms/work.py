@@ -11,10 +11,7 @@ from __future__ import annotations
 import torch
 
 from doccp import kernels
-from doccp.kernels.slices import Slices
-from doccp.masks import Mask
-
-Work = list[tuple[Slices, Mask]]
+from doccp.kernels.runs import Work
 
 
 def accumulators(q: torch.Tensor, rows: int | None = None, dim: int | None = None

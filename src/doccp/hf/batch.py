@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,21 +45,15 @@ class BatchPlan:
 
     One plan decides which tokens each rank holds; every layer may apply its own mask (hybrid
     models mix sliding-window and full layers). :meth:`for_mask` gives the plan for a layer's
-    mask, sharing the batch's pieces and built once per mask, so its cached schedules serve
-    every layer with that mask.
+    mask (:meth:`doccp.Plan.with_mask`: the batch's pieces, built once per mask, so its cached
+    schedules serve every layer with that mask).
     """
 
     plan: Plan
     group: dist.ProcessGroup | None = None
-    _by_mask: dict[Mask, Plan] = field(default_factory=dict, repr=False)
 
     def for_mask(self, mask: Mask) -> Plan:
-        if mask == self.plan.mask:
-            return self.plan
-        if mask not in self._by_mask:
-            p = self.plan
-            self._by_mask[mask] = Plan(p.layout, p.world_size, mask, p.strategy, p.all_pieces)
-        return self._by_mask[mask]
+        return self.plan.with_mask(mask)
 
 
 class ShardedBatch(dict):

@@ -42,6 +42,7 @@ import torch
 from doccp.kernels.merge import merge_rows
 from doccp.kernels.slices import Slices, trim
 from doccp.masks import Mask
+from doccp.ranges import expand, repeat
 
 _FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -69,9 +70,8 @@ def split_rows(slices: Slices, which: torch.Tensor, height: int) -> Slices:
     blocks = (m + step - 1) // step
     if bool((blocks <= 1).all()):
         return slices
-    idx = torch.repeat_interleave(torch.arange(len(slices)), blocks)
-    first = torch.cumsum(blocks, 0) - blocks
-    offset = (torch.arange(idx.numel()) - first[idx]) * step[idx]
+    idx = repeat(torch.arange(len(slices)), blocks)
+    offset = expand(torch.zeros_like(step), blocks, step)  # 0, step, 2*step, ... within each slice
     qs = slices.q_start[idx] + offset
     qe = torch.minimum(qs + step[idx], slices.q_end[idx])
     return Slices(qs, qe, slices.k_start[idx], slices.k_end[idx], slices.q_pos0[idx] + offset, slices.k_pos0[idx])

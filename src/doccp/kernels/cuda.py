@@ -29,6 +29,7 @@ import torch
 from doccp.kernels.merge import merge_rows
 from doccp.kernels.slices import Slices, trim
 from doccp.masks import Mask
+from doccp.ranges import expand
 
 DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_BACKWARD = torch.ops.aten._flash_attention_backward  # what varlen_attn's own backward calls
@@ -129,10 +130,8 @@ class _Group:
 
 def _ranges(start: torch.Tensor, length: torch.Tensor, rows: int, device) -> torch.Tensor | None:
     """Concatenated ``[start, start + length)`` ranges; ``None`` when they are just ``0..rows``."""
-    total = int(length.sum())
-    first = torch.cumsum(length, 0) - length
-    index = torch.repeat_interleave(start - first, length) + torch.arange(total)
-    if total == rows and torch.equal(index, torch.arange(rows)):
+    index = expand(start, length)
+    if index.numel() == rows and torch.equal(index, torch.arange(rows)):
         return None
     return index.to(device)
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from doccp.layout import expand_ranges, repeat_interleave
 from doccp.masks import Mask
+from doccp.ranges import expand, repeat
 
 FIELDS = ("q_start", "q_end", "k_start", "k_end", "q_pos0", "k_pos0")
 
@@ -87,8 +87,8 @@ def pair_slices(q_doc: torch.Tensor, q_row: torch.Tensor, q_pos: torch.Tensor, q
     k_doc, k_row, k_pos, k_len = k_doc[order], k_row[order], k_pos[order], k_len[order]
     first = torch.searchsorted(k_doc, q_doc, right=False)
     count = torch.searchsorted(k_doc, q_doc, right=True) - first
-    qi = repeat_interleave(torch.arange(q_doc.numel()), count)
-    ki = expand_ranges(first, count)
+    qi = repeat(torch.arange(q_doc.numel()), count)
+    ki = expand(first, count)
     qp0, qp1 = q_pos[qi], q_pos[qi] + q_len[qi]
     kp0, kp1 = k_pos[ki], k_pos[ki] + k_len[ki]
     # keys some query can see, and queries that can see some key

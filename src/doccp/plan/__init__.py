@@ -18,16 +18,19 @@ from functools import cached_property
 
 import torch
 
-from doccp.layout import DocLayout, expand_ranges, repeat_interleave
+from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan.balanced import balanced
 from doccp.plan.exchange import Intervals, kv_exchange, visible_intervals
 from doccp.plan.head_tail import head_tail
 from doccp.plan.pieces import Pieces, cut_stream, even_sizes
+from doccp.ranges import expand, repeat
 
 __all__ = ["Plan", "PlanStats", "plan", "STRATEGIES", "Pieces", "Intervals"]
 
 TILE = 128
+#: Most ranks a plan is made for (per-rank tables are allocated up front).
+MAX_WORLD_SIZE = 1 << 16
 
 
 def contiguous(layout: DocLayout, world_size: int, mask: Mask | None = None) -> Pieces:
@@ -52,8 +55,8 @@ def plan(layout: DocLayout, world_size: int, mask: Mask | None = None,
                         "build one with DocLayout.from_lengths / from_cu_seqlens")
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size must be in [1, {MAX_WORLD_SIZE}], got {world_size}")
     mask = Mask.causal() if mask is None else mask
     if not isinstance(mask, Mask):
         raise TypeError(f"mask must be a doccp.Mask, got {type(mask).__name__}")
@@ -119,6 +122,17 @@ class Plan:
         self.layout, self.world_size, self.mask, self.strategy = layout, world_size, mask, strategy
         self.stream_pieces = stream_pieces
         self._ranks: dict[int, Pieces] = {}
+        self._masked: dict[Mask, Plan] = {}
+
+    def with_mask(self, mask: Mask) -> Plan:
+        """The same pieces under another mask, built once per mask: the pieces decide who holds
+        which tokens, the mask who sees what, so one batch plan serves every layer of a model
+        that mixes masks (sliding-window and full layers); its schedules are cached per mask."""
+        if mask == self.mask:
+            return self
+        if mask not in self._masked:
+            self._masked[mask] = Plan(self.layout, self.world_size, mask, self.strategy, self.stream_pieces)
+        return self._masked[mask]
 
     # -- per rank ------------------------------------------------------------------------
     def check_rank(self, rank: int) -> None:
@@ -163,16 +177,16 @@ class Plan:
     def indices(self, rank: int) -> torch.Tensor:
         """Global stream index of each local token of ``rank``, in local order (int64)."""
         p = self.rank_pieces(rank)
-        return expand_ranges(self.layout.cu_seqlens[p.doc] + p.start, p.length)
+        return expand(self.layout.cu_seqlens[p.doc] + p.start, p.length)
 
     def positions(self, rank: int) -> torch.Tensor:
         """Document-relative position of each local token (for RoPE), int64."""
         p = self.rank_pieces(rank)
-        return expand_ranges(p.start, p.length)
+        return expand(p.start, p.length)
 
     def doc_ids(self, rank: int) -> torch.Tensor:
         p = self.rank_pieces(rank)
-        return repeat_interleave(p.doc, p.length)
+        return repeat(p.doc, p.length)
 
     @cached_property
     def local_sizes(self) -> list[int]:
@@ -239,8 +253,8 @@ def _tile_counts(p: Pieces, doc_len: torch.Tensor, mask: Mask) -> torch.Tensor:
     """128x128 tiles touched by each piece's queries against its document's keys (key tiles
     aligned to document position 0, query tiles to the piece start): a fragmentation proxy."""
     n_tiles = (p.length + TILE - 1) // TILE
-    piece = repeat_interleave(torch.arange(len(p)), n_tiles)
-    first = expand_ranges(torch.zeros(len(p), dtype=torch.int64), n_tiles)
+    piece = repeat(torch.arange(len(p)), n_tiles)
+    first = expand(torch.zeros(len(p), dtype=torch.int64), n_tiles)
     q0 = p.start[piece] + first * TILE
     q1 = torch.minimum(q0 + TILE, p.end[piece])
     lo, hi = mask.visible_keys(q0, q1, doc_len[piece])

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from doccp.layout import DocLayout, expand_ranges, repeat_interleave
+from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan.pieces import Pieces
+from doccp.ranges import expand, repeat
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,8 @@ def overlaps(lo: torch.Tensor, hi: torch.Tensor, table_lo: torch.Tensor, table_h
     first = torch.searchsorted(table_hi, lo, right=True)
     count = (torch.searchsorted(table_lo, hi, right=False) - first).clamp(min=0)
     total = int(count.sum())
-    i = repeat_interleave(torch.arange(lo.numel()), count, total)
-    j = expand_ranges(first, count)
+    i = repeat(torch.arange(lo.numel()), count, total)
+    j = expand(first, count)
     start = torch.maximum(lo[i], table_lo[j])
     end = torch.minimum(hi[i], table_hi[j])
     keep = end > start

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from doccp.layout import DocLayout, expand_ranges, repeat_interleave
+from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan.pieces import Pieces
+from doccp.ranges import expand, repeat
 
 
 def head_tail(layout: DocLayout, world_size: int, mask: Mask | None = None) -> Pieces:
@@ -50,8 +51,8 @@ def head_tail(layout: DocLayout, world_size: int, mask: Mask | None = None) -> P
     ], 1)
     counts[:, 1:] *= short[:, None]
     counts[:, 2:] *= (m > 0)[:, None]
-    chunk = expand_ranges(firsts.reshape(-1), counts.reshape(-1))
-    doc = repeat_interleave(torch.arange(lengths.numel()), counts.sum(1))
+    chunk = expand(firsts.reshape(-1), counts.reshape(-1))
+    doc = repeat(torch.arange(lengths.numel()), counts.sum(1))
     head = chunk < n
     rank = torch.where(head, chunk, 2 * n - 1 - chunk)
     slot = (rank - cursor[doc]) % n

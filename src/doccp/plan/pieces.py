@@ -119,18 +119,3 @@ def even_sizes(total: int, parts: int) -> torch.Tensor:
     """``total`` split into ``parts`` sizes differing by at most one (larger ones first)."""
     return torch.full((parts,), total // parts, dtype=torch.int64) + (
         torch.arange(parts) < total % parts).long()
-
-
-def offsets_within(group: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-    """For each entry, the total ``length`` of the earlier entries (in the given order) of the
-    same ``group``: where it starts in its group's buffer when every group is packed in order.
-    One stable sort by group (small integer keys) and one cumsum."""
-    if group.numel() == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    order = torch.argsort(group.to(torch.int32), stable=True)
-    g, n = group[order], length[order]
-    before = torch.cumsum(n, 0) - n
-    first = torch.ones_like(g, dtype=torch.bool)
-    first[1:] = g[1:] != g[:-1]
-    start = torch.cummax(torch.where(first, torch.arange(g.numel()), 0), 0).values
-    return torch.empty_like(before).index_copy_(0, order, before - before[start])
