@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import re
 import sys
 from pathlib import Path
 
@@ -29,7 +30,8 @@ author = "the doccp authors"
 copyright = "the doccp authors"  # noqa: A001 (Sphinx's name)
 release = version = doccp.__version__
 
-extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.viewcode"]
+extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.viewcode"]
+napoleon_numpy_docstring = False  # a few docstrings use Google-style "Args:" sections
 myst_enable_extensions = ["colon_fence"]
 myst_heading_anchors = 3
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
@@ -39,7 +41,6 @@ exclude_patterns = ["_build", "_generated", "results", "README.md"]
 
 autodoc_default_options = {"members": True, "member-order": "bysource", "show-inheritance": True}
 autodoc_typehints_format = "short"
-autodoc_class_signature = "separated"
 autodoc_preserve_defaults = True
 python_maximum_signature_line_length = 100
 add_module_names = False
@@ -90,6 +91,7 @@ def _top_level_table() -> None:
         obj = getattr(doccp, name)
         target = canonical_name(obj)
         summary = (obj.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+        summary = re.sub(r":(\w+):`", r"{\1}`", summary)  # reStructuredText roles, as MyST writes them
         role = "mod" if isinstance(obj, type(doccp)) else "class" if isinstance(obj, type) else "func"
         rows.append(f"| {{py:{role}}}`doccp.{name} <{target}>` | {summary} |")
     _write(GENERATED / "top-level.md", "\n".join(rows) + "\n")
@@ -135,7 +137,7 @@ _plan_pictures()
 _command_help()
 _top_level_table()
 _hugging_face_slot()
-_toctree("background", [":caption: Background", ":maxdepth: 1"], ["reliability", "benchmarks"], ["architecture"])
+_toctree("background", [":caption: Background", ":maxdepth: 1", ":hidden:"], ["reliability", "benchmarks"], ["architecture"])
 _toctree("integration", [":maxdepth: 1", ":hidden:"], ["torchrun", "padded", "doc-packed"], ["/hf"])
 
 
