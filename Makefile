@@ -13,7 +13,7 @@ demo: $(VENV)/.ready
 	$(VENV)/bin/doccp demo $(ARGS)
 
 test: $(VENV)/.ready
-	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff check src tests bench examples docs/conf.py
 	$(PY) -m pytest -q $(ARGS)
 
 bench: $(VENV)/.ready
