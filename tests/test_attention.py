@@ -12,7 +12,8 @@ from oracle import dense_attention, expect_errors, random_lengths
 
 import doccp
 from doccp import DocLayout, Mask, comm
-from doccp.algorithms import predicted_kv_tokens
+from doccp.algorithms import predicted_bytes
+from doccp.algorithms.registry import Shapes
 from doccp.launch import WorkerError, spawn
 
 MASKS = [Mask.causal(), Mask.full(), Mask.sliding_window(5), Mask.sliding_window(4, 3)]
@@ -61,7 +62,7 @@ def check(results_per_rank, cases, world_size):
         q, k, v = (x.float().double().requires_grad_() for x in (q, k, v))
         ref_out, ref_lse = dense_attention(q, k, v, layout, mask)
         ref_out.backward(dout.float().double())
-        predicted = predicted_kv_tokens(plan, algorithm)
+        predicted = predicted_bytes(plan, algorithm, Shapes(HQ, HKV, D, 4))
         what = f"case {i}: lengths={lengths} N={world_size} {strategy} {mask} {algorithm}"
         for r in range(world_size):
             got = results_per_rank[r][i]
@@ -73,7 +74,7 @@ def check(results_per_rank, cases, world_size):
             torch.testing.assert_close(got["lse"].double()[finite], ref_lse[:, idx][finite], atol=2e-5, rtol=0)
             for name, ref in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
                 torch.testing.assert_close(got[name].double(), ref[idx], atol=1e-4, rtol=0, msg=f"{what} {name}")
-            assert got["recv"] == predicted[r] * 2 * HKV * D * 4, f"{what}: bytes received on rank {r}"
+            assert got["recv"] == predicted[r], f"{what}: bytes received on rank {r}"
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -179,7 +180,18 @@ def test_auto_rule_prefers_allgather_on_cpu_and_weighs_volume_on_gpu():
     from doccp.algorithms import choose_algorithm
 
     split = doccp.plan(DocLayout.from_lengths([100, 50, 7]), 2, strategy="head_tail")
-    assert choose_algorithm(split, "cpu") == "allgather"  # gloo hops do not overlap compute
-    assert choose_algorithm(split, "cuda") == "ring_kv"  # ring volume == all-gather volume here
+    shapes = Shapes(HQ, HKV, D, 2)
+    assert choose_algorithm(split, shapes, "cpu") == "allgather"  # gloo hops do not overlap compute
+    assert choose_algorithm(split, shapes, "cuda") == "ring_kv"  # ring volume == all-gather volume here
     whole = doccp.plan(DocLayout.from_lengths([5, 5]), 2, strategy="contiguous")
-    assert choose_algorithm(whole, "cuda") == "allgather"  # nothing to move at all
+    assert choose_algorithm(whole, shapes, "cuda") == "allgather"  # nothing to move at all
+
+
+def test_attention_balanced_plans_odd_world():
+    """Plans of the balanced planner (packed whole documents, chain cuts) at odd N, with
+    zero-length and 1-token documents and fewer tokens than ranks."""
+    rng = random.Random(3)
+    many = [rng.choice([0, 1, rng.randint(2, 30)]) for _ in range(24)]
+    cases = [(lengths, "balanced", mask, algorithm, i) for i, (lengths, mask, algorithm) in enumerate(
+        itertools.product([many, [1, 0, 1]], [Mask.causal(), Mask.sliding_window(4, 3)], ALGORITHMS))]
+    check(spawn(run_cases, 3, 3, cases, threads=1), cases, 3)

@@ -90,7 +90,7 @@ def test_mask_image_colours_visible_cells_by_query_rank():
     ([], "exactly one of --lengths or --lengths-file"),
     (["--lengths", "4", "--lengths-file", "f"], "exactly one of --lengths or --lengths-file"),
     (["--lengths-file", "/nonexistent/lengths.txt"], "No such file"),
-    (["--lengths", "4", "--world-size", "0"], "--world-size must be >= 1, got 0"),
+    (["--lengths", "4", "--world-size", "0"], "--world-size must be in [1, 65536], got 0"),
     (["--lengths", "4", "--world-size", "two"], "--world-size must be an integer >= 1, got 'two'"),
     (["--lengths", "4", "--mask", "diagonal"], "mask must be 'causal', 'full' or 'window:LEFT[,RIGHT]'"),
     (["--lengths", "4", "--mask", "window:-2"], "Mask.left must be >= 0"),

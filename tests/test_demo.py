@@ -60,7 +60,7 @@ def _error(capsys, *args: str) -> str:
 
 
 def test_bad_numbers(capsys):
-    assert "--world-size must be >= 1" in _error(capsys, "--world-size", "0")
+    assert "--world-size must be in [1, 4096]" in _error(capsys, "--world-size", "0")
     assert "--tokens (2) must be at least --world-size (4)" in _error(capsys, "--tokens", "2")
     assert "--algorithms" in _error(capsys, "--algorithms", "ring_q")
     assert "mask must be" in _error(capsys, "--mask", "diagonal")
@@ -99,7 +99,7 @@ def test_bad_input_exit_code_from_console():
     proc = subprocess.run([sys.executable, "-m", "doccp.app.cli.main", "demo", "--world-size", "0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "doccp demo: error: --world-size must be >= 1, got 0"
+    assert proc.stderr.strip() == "doccp demo: error: --world-size must be in [1, 4096], got 0"
 
 
 def test_pack_is_deterministic_and_splits_long_files(tmp_path):

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from doccp.kernels import BACKENDS, Slices, attend, attend_backward, cpu, cuda, doc_slices
+from doccp.kernels.merge import merge_rows
 from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.varlen import varlen_attention
@@ -242,7 +243,7 @@ def test_pieces_cover_the_band_exactly(monkeypatch):
         want = torch.zeros(len(geometries), 8, 8, dtype=torch.int64)
         for x, (m, n, qp, kp) in enumerate(geometries):
             want[x, 2:2 + m, 1:1 + n] = band(torch.arange(qp, qp + m), torch.arange(kp, kp + n), mask)
-        assert torch.equal(piece_cover(cpu.Pieces.of(s, mask), len(geometries)), want), f"{mask}"
+        assert torch.equal(piece_cover(cpu.Calls.of(s, mask), len(geometries)), want), f"{mask}"
 
 
 def piece_cover(pieces, blocks):
@@ -303,7 +304,7 @@ def test_merge_rows_is_nan_free():
     rows = torch.tensor([0, 0, 2])
     out = torch.randn(3, 2, 4)
     lse = torch.tensor([[0.5, float("-inf")], [1.0, float("-inf")], [float("-inf"), 2.0]])
-    merged, merged_lse = cpu.merge_rows(rows, out, lse, 4)
+    merged, merged_lse = merge_rows(rows, out, lse, 4)
     assert not torch.isnan(merged).any() and not torch.isnan(merged_lse).any()
     assert torch.isneginf(merged_lse[1]).all() and torch.isneginf(merged_lse[3]).all()
     assert torch.allclose(merged_lse[0, 0], torch.logaddexp(torch.tensor(0.5), torch.tensor(1.0)))

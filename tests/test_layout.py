@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from doccp import DocLayout
-from doccp.layout import repeat_interleave
 
 SETTINGS = settings(max_examples=100, deadline=None)
 
@@ -46,11 +45,16 @@ def test_from_lengths(lengths):
 
 
 @SETTINGS
-@given(st.lists(st.tuples(st.integers(-100, 100), st.integers(0, 4)), max_size=10))
-def test_repeat_interleave_matches_torch(runs):
-    values = torch.tensor([v for v, _ in runs], dtype=torch.int64)
-    counts = torch.tensor([c for _, c in runs], dtype=torch.int64)
-    assert torch.equal(repeat_interleave(values, counts), torch.repeat_interleave(values, counts))
+@given(st.lists(st.integers(1, 20), max_size=12), st.integers(0, 3))
+def test_from_position_ids(lengths, start):
+    """Documents start where positions do not continue (transformers' packed-sequence rule), from
+    any start value; zero-length documents cannot be expressed, so none are generated."""
+    layout = DocLayout.from_lengths(lengths)
+    positions = layout.positions() + start
+    assert DocLayout.from_position_ids(positions) == layout
+    assert DocLayout.from_position_ids(positions.unsqueeze(0)) == layout
+    assert DocLayout.from_position_ids([positions.tolist()]) == layout
+    assert DocLayout.from_position_ids(positions.tolist()) == layout
 
 
 def test_input_types_and_repr():
@@ -159,6 +163,9 @@ def test_packed_rows(case):
     (lambda: DocLayout.from_packed_rows([[0, 8], [0, 3, 8]], 8), ValueError, "rectangular"),
     (lambda: DocLayout.from_packed_rows([[0, 8]], "8"), TypeError, "seq_len must be an int"),
     (lambda: DocLayout.from_packed_rows([[0, 4.0, 8]], 8), TypeError, "integers"),
+    (lambda: DocLayout.from_position_ids(torch.zeros(2, 4, dtype=torch.long)), ValueError, r"\[T\] or \[1, T\]"),
+    (lambda: DocLayout.from_position_ids(torch.zeros(4)), TypeError, "integers"),
+    (lambda: DocLayout.from_position_ids([[[0]]]), TypeError, r"integers, got \[0\]"),
 ])
 def test_bad_input(build, error, match):
     with pytest.raises(error, match=match):

@@ -79,7 +79,7 @@ def test_single_process_round_trip_and_attention():
     (lambda x: doccp.shard_padded(x, [3, -1], 0, 2), ValueError, "doc_lens must be >= 0"),
     (lambda x: doccp.shard_padded(x, [3.0, 4.0], 0, 2), TypeError, "integers"),
     (lambda x: doccp.shard_padded(x, [3, 4], 2, 2), ValueError, r"rank must be in \[0, 2\)"),
-    (lambda x: doccp.shard_padded(x, [3, 4], 0, 0), ValueError, "world_size must be >= 1"),
+    (lambda x: doccp.shard_padded(x, [3, 4], 0, 0), ValueError, r"world_size must be in \[1, "),
     (lambda x: doccp.shard_padded(x.tolist(), [3, 4], 0, 2), TypeError, "torch.Tensor"),
     (lambda x: doccp.unshard_padded(x, [3, 4]), ValueError, r"\[2, 4, \.\.\.\]"),
     (lambda x: doccp.unshard_padded(x.tolist(), [3, 4]), TypeError, "x_local must be a torch.Tensor"),

@@ -23,7 +23,7 @@ from doccp import DocLayout, Mask
 from doccp.inference import ShardedKVCache, decode, prefill
 from doccp.launch import WorkerError, spawn
 
-QUICK = {"timeout_s": 30, "deadline_s": 150}  # a group's collectives give up after 30 s; a run after 150 s
+QUICK = {"timeout_s": 60, "deadline_s": 300}  # a group's collectives give up after 60 s; a run after 300 s
 HQ, HKV, D = 4, 2, 8
 
 

@@ -104,7 +104,7 @@ def fingerprint(plan: object) -> int:
     """64-bit hash of a plan's layout, world size, mask, strategy and pieces (cached per plan)."""
     if plan in _fingerprints:
         return _fingerprints[plan]
-    p = plan.all_pieces
+    p = plan.stream_pieces
     parts = [stable_hash(("plan", plan.world_size, repr(plan.mask), plan.strategy)),
              tensor_hash(plan.layout.cu_seqlens), *(tensor_hash(c) for c in (p.rank, p.doc, p.start, p.end))]
     value = stable_hash(tuple(parts))

@@ -2,8 +2,9 @@
 
 Everything takes a process ``group`` (``None`` = the default group) and speaks in group
 ranks; peers are translated to global ranks for point-to-point calls. All calls go through
-``torch.distributed`` and so honour the group's timeout. Every byte sent or received is
-added to :data:`traffic`, so benchmarks and tests can check volume against a plan.
+``torch.distributed`` and so honour the group's timeout. Inside a :func:`measure` block every
+byte sent or received is counted, so benchmarks and tests can check volume against a plan;
+outside one nothing is counted.
 """
 
 from __future__ import annotations
@@ -23,24 +24,36 @@ class Traffic:
     sent: int = 0
     received: int = 0
 
-    def reset(self) -> None:
-        self.sent = self.received = 0
 
-
-#: Process-wide counters; use :func:`measure` to count one region.
-traffic = Traffic()
+_regions: list[Traffic] = []  # the open measure() blocks, innermost last
 
 
 @contextlib.contextmanager
 def measure() -> Iterator[Traffic]:
-    """Count the bytes sent and received inside the ``with`` block."""
-    before = Traffic(traffic.sent, traffic.received)
+    """Count the bytes this process sends and receives inside the ``with`` block."""
     region = Traffic()
+    _regions.append(region)
     try:
         yield region
     finally:
-        region.sent = traffic.sent - before.sent
-        region.received = traffic.received - before.received
+        _regions.remove(region)
+
+
+@contextlib.contextmanager
+def unmeasured() -> Iterator[None]:
+    """Traffic inside this block is nobody's (a calibration's own measurements, say)."""
+    saved = _regions[:]
+    _regions.clear()
+    try:
+        yield
+    finally:
+        _regions[:] = saved
+
+
+def _count(sent: int = 0, received: int = 0) -> None:
+    for region in _regions:
+        region.sent += sent
+        region.received += received
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -77,12 +90,12 @@ def exchange(sends: Sequence[torch.Tensor | None], recv_shapes: Sequence[tuple[i
             buf = torch.empty(shape, dtype=like.dtype, device=like.device)
             received[peer] = buf
             ops.append(dist.P2POp(dist.irecv, buf, global_rank(group, peer), group))
-            traffic.received += _nbytes(buf)
+            _count(received=_nbytes(buf))
         out = sends[peer]
         if out is not None and out.numel():
             out = out.contiguous()
             ops.append(dist.P2POp(dist.isend, out, global_rank(group, peer), group))
-            traffic.sent += _nbytes(out)
+            _count(sent=_nbytes(out))
     _wait(dist.batch_isend_irecv(ops) if ops else [])
     return received
 
@@ -104,11 +117,11 @@ class RingStep:
         for t in send:
             if t.numel():
                 ops.append(dist.P2POp(dist.isend, t.contiguous(), global_rank(group, nxt), group))
-                traffic.sent += _nbytes(t)
+                _count(sent=_nbytes(t))
         for t in self.received:
             if t.numel():
                 ops.append(dist.P2POp(dist.irecv, t, global_rank(group, prv), group))
-                traffic.received += _nbytes(t)
+                _count(received=_nbytes(t))
         self._works = dist.batch_isend_irecv(ops) if ops else []
 
     def wait(self) -> list[torch.Tensor]:
@@ -136,8 +149,7 @@ def all_gather_varsize(x: torch.Tensor, sizes: Sequence[int], group: dist.Proces
     x = x.contiguous()
     buffers = [torch.empty_like(x) for _ in range(n)]
     dist.all_gather(buffers, x, group=group)
-    traffic.sent += _nbytes(x) * (n - 1)
-    traffic.received += _nbytes(x) * (n - 1)
+    _count(sent=_nbytes(x) * (n - 1), received=_nbytes(x) * (n - 1))
     return [b.narrow(dim, 0, s) for b, s in zip(buffers, sizes, strict=True)]
 
 

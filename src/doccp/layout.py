@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from doccp.ranges import repeat
+
 IntsLike = Sequence[int] | torch.Tensor
 
 #: Most tokens a layout may hold: cu_seqlens fit in int32 (what varlen kernels take) and exact
@@ -108,6 +110,30 @@ class DocLayout:
         return cls(cu.clone())
 
     @classmethod
+    def from_position_ids(cls, position_ids: IntsLike) -> DocLayout:
+        """Documents of a padding-free stream from its per-token positions (``[T]`` or ``[1, T]``).
+
+        A document starts wherever the position does not continue the previous one
+        (``position_ids[i] != position_ids[i-1] + 1``), the rule Hugging Face transformers
+        uses for packed sequences, so any start value works (``DataCollatorWithFlattening``'s
+        ``position_ids_start``). Zero-length documents cannot be expressed this way.
+        """
+        pos = as_int_tensor(position_ids, "position_ids", ndim=2 if _is_2d(position_ids) else 1)
+        if pos.dim() == 2:
+            if pos.shape[0] != 1:
+                raise ValueError(f"position_ids must be [T] or [1, T] (one packed stream), got shape "
+                                 f"{tuple(pos.shape)}; flatten the batch (DataCollatorWithFlattening)")
+            pos = pos[0]
+        if pos.numel() == 0:
+            return cls(torch.zeros(1, dtype=torch.int64))
+        if pos.numel() > MAX_TOKENS:
+            raise ValueError(f"position_ids hold {pos.numel()} tokens, more than a layout holds "
+                             f"(MAX_TOKENS = 2**31 - 1 = {MAX_TOKENS})")
+        starts = torch.nonzero(torch.diff(pos) != 1).flatten() + 1
+        bounds = torch.cat([torch.zeros(1, dtype=torch.int64), starts, torch.tensor([pos.numel()])])
+        return cls(bounds)
+
+    @classmethod
     def from_padded(cls, doc_lens: IntsLike, max_len: int) -> DocLayout:
         """One document per row of a padded ``[B, max_len, ...]`` batch (tokens left-aligned).
 
@@ -119,7 +145,7 @@ class DocLayout:
         if (lens < 0).any() or (lens > max_len).any():
             raise ValueError(f"doc_lens must lie in [0, max_len={max_len}], got {lens.tolist()[:8]}")
         layout = cls(_cumsum0(lens), rows=(lens.numel(), max_len))
-        rows = repeat_interleave(torch.arange(lens.numel()), lens)
+        rows = repeat(torch.arange(lens.numel()), lens)
         index = rows * max_len + layout.positions()
         object.__setattr__(layout, "_padded_index", index)
         return layout
@@ -169,11 +195,11 @@ class DocLayout:
 
     def doc_ids(self) -> torch.Tensor:
         """Document of every token of the stream, ``[num_tokens]`` int64."""
-        return repeat_interleave(torch.arange(self.num_docs), self.lengths, self.num_tokens)
+        return repeat(torch.arange(self.num_docs), self.lengths, self.num_tokens)
 
     def positions(self) -> torch.Tensor:
         """Document-relative position of every token (what RoPE wants), ``[num_tokens]``."""
-        starts = repeat_interleave(self.cu_seqlens[:-1], self.lengths, self.num_tokens)
+        starts = repeat(self.cu_seqlens[:-1], self.lengths, self.num_tokens)
         return torch.arange(self.num_tokens) - starts
 
     def next_token_targets(self, tokens: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -236,31 +262,6 @@ class DocLayout:
         return hash(tuple(self.cu_seqlens.tolist()))
 
 
-def repeat_interleave(values: torch.Tensor, counts: torch.Tensor, total: int | None = None) -> torch.Tensor:
-    """Integer ``values[i]`` repeated ``counts[i]`` times, as ``torch.repeat_interleave`` does.
-
-    The torch op parallelises with grain size 1 on CPU, so every call wakes the intra-op
-    thread pool: milliseconds per call on a busy host, and planning makes dozens of calls.
-    Here the first element of each run carries the step from the previous value and a
-    cumsum fills the runs: serial on small inputs, and no gather on large ones.
-    """
-    total = int(counts.sum()) if total is None else total
-    steps = torch.zeros(total + 1, dtype=torch.int64)
-    steps.index_add_(0, torch.cumsum(counts, 0) - counts, torch.diff(values, prepend=values.new_zeros(1)))
-    return torch.cumsum(steps[:total], 0)
-
-
-def expand_ranges(first: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``cat([first[i] + arange(counts[i]) for i])`` without a Python loop: steps of 1, except
-    where a run starts, which jumps from where the previous run would have gone on; one
-    cumsum over one buffer (this is most of the cost of ``indices`` on long streams)."""
-    total = int(counts.sum())
-    offsets = torch.cumsum(counts, 0) - counts
-    jumps = torch.diff(first - offsets, prepend=first.new_ones(1))
-    steps = torch.ones(total + 1, dtype=torch.int64).index_add_(0, offsets, jumps)
-    return steps[:total].cumsum_(0)
-
-
 def _cumsum0(lengths: torch.Tensor) -> torch.Tensor:
     """Cumulative boundaries, refusing totals beyond ``MAX_TOKENS`` (before they can overflow)."""
     if lengths.numel() and int(lengths.max()) > MAX_TOKENS:
@@ -278,3 +279,10 @@ def _check_int(value: object, name: str, minimum: int, maximum: int = MAX_TOKENS
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if not minimum <= value <= maximum:
         raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
+
+
+def _is_2d(values: IntsLike) -> bool:
+    if isinstance(values, torch.Tensor):
+        return values.dim() == 2
+    first = next(iter(values), None)
+    return first is not None and not isinstance(first, int) and hasattr(first, "__len__")

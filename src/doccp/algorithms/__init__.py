@@ -12,41 +12,46 @@ import torch.distributed as dist
 
 from doccp import comm
 from doccp.agreement import agree, describe_plan
-from doccp.algorithms.allgather import AllGatherAttention
-from doccp.algorithms.ring_kv import RingKVAttention
-from doccp.algorithms.schedule import schedule
+from doccp.algorithms import allgather, ring_kv, ring_q  # noqa: F401  (each registers its algorithm)
+from doccp.algorithms.registry import ALGORITHMS, Call, CPAttention, Shapes, schedule_of, training
 from doccp.checks import choice_problem, first, qkv_problem, scale_problem
 from doccp.kernels import BACKENDS, default_scale
 from doccp.plan import Plan
 
-ALGORITHMS = {"allgather": AllGatherAttention, "ring_kv": RingKVAttention}
+__all__ = ["attention", "choose_algorithm", "predicted_bytes", "ALGORITHMS", "training"]
 
-#: ``auto`` picks the ring while it moves at most this many times the all-gather's bytes.
-RING_VOLUME_RATIO = 1.5
-
-
-def predicted_kv_tokens(plan: Plan, algorithm: str) -> list[int]:
-    """KV rows each rank receives in the forward pass (double it for K and V, and again for
-    the backward's return trip)."""
-    if algorithm == "allgather":
-        return plan.exchange.tokens_received(plan.world_size).tolist()
-    sizes = schedule(plan, 0, "ring_kv").block_sizes  # every other rank's block visits each rank
-    return [sum(sizes) - own for own in sizes]
+#: On devices whose transfers overlap compute (GPU copy engines), an algorithm that hides its
+#: hops behind compute (``overlaps_compute``) is charged its bytes divided by this.
+OVERLAP_CREDIT = 1.5
 
 
-def choose_algorithm(plan: Plan, device: torch.device | str | None = None) -> str:
-    """The ``auto`` rule: all-gather moves the minimal bytes but all before compute; the ring
-    moves every block to every rank but hides each hop behind a step's compute. Pick the
-    ring when its volume is at most ``RING_VOLUME_RATIO`` x the all-gather's (so the overlap
-    pays for the extra bytes) and there is anything to move at all; else all-gather.
+def predicted_bytes(plan: Plan, algorithm: str, shapes: Shapes) -> list[int]:
+    """Bytes each rank receives in the forward pass under ``algorithm`` (from the plan alone);
+    the backward moves as much again (dK/dV go home)."""
+    return ALGORITHMS[algorithm].received_bytes(plan, shapes)
 
-    On CPU (gloo) a hop does not overlap compute (measured: bench/cp.py, bench/inference.py),
-    so the all-gather is always at least as fast there and is chosen."""
-    ag = max(predicted_kv_tokens(plan, "allgather"), default=0)
-    if plan.world_size == 1 or ag == 0 or torch.device(device or "cpu").type == "cpu":
+
+def choose_algorithm(plan: Plan, shapes: Shapes, device: torch.device | str | None = None,
+                     group: dist.ProcessGroup | None = None) -> str:
+    """The ``auto`` rule, over every training algorithm that can run this call: the least
+    predicted bytes received by the busiest rank, where an algorithm that overlaps its
+    transfers with compute is charged ``1 / OVERLAP_CREDIT`` of its bytes on a GPU (on CPU
+    gloo a transfer does not hide behind compute: bench/cp.py, docs/benchmarks.md). Ties go
+    to the earlier algorithm in the registry (all-gather first), so a plan that moves nothing
+    runs the all-gather."""
+    if plan.world_size == 1:
         return "allgather"
-    ring = max(predicted_kv_tokens(plan, "ring_kv"))
-    return "ring_kv" if ring <= RING_VOLUME_RATIO * ag else "allgather"
+    on_gpu = torch.device(device or "cpu").type == "cuda"
+    best, best_cost = "allgather", float("inf")
+    for name, algorithm in training().items():
+        if algorithm.problem(plan, shapes, group) is not None:
+            continue
+        cost = max(algorithm.received_bytes(plan, shapes), default=0)
+        if on_gpu and algorithm.overlaps_compute:
+            cost /= OVERLAP_CREDIT
+        if cost < best_cost:
+            best, best_cost = name, cost
+    return best
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
@@ -70,10 +75,11 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
                   algorithm: str, scale: float | None, return_lse: bool, backend: str
                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` after its arguments were checked and agreed on."""
-    if algorithm == "auto":
-        algorithm = choose_algorithm(plan, q.device)
-    sched = schedule(plan, comm.rank(group), algorithm)
-    out, lse = ALGORITHMS[algorithm].apply(q, k, v, sched, plan.mask, default_scale(q, scale), backend, group)
+    shapes = Shapes.of(q, k)
+    name = choose_algorithm(plan, shapes, q.device, group) if algorithm == "auto" else algorithm
+    chosen, rank = ALGORITHMS[name], comm.rank(group)
+    call = Call(plan, rank, schedule_of(chosen, plan, rank), plan.mask, default_scale(q, scale), backend, group)
+    out, lse = CPAttention.apply(q, k, v, chosen, call)
     return (out, lse) if return_lse else out
 
 
@@ -96,7 +102,7 @@ def attention_problem(q: object, k: object, v: object, plan: object, group: dist
                       algorithm: object, backend: object, scale: object) -> Exception | None:
     """The first thing wrong with the arguments of a CP attention call on this rank (returned)."""
     problem = first(qkv_problem(q, k, v), scale_problem(scale),
-                    choice_problem(algorithm, "algorithm", ["auto", *ALGORITHMS]),
+                    choice_problem(algorithm, "algorithm", ["auto", *training()]),
                     choice_problem(backend, "backend", ["auto", *BACKENDS]))
     if problem is not None:
         return problem
@@ -110,4 +116,6 @@ def attention_problem(q: object, k: object, v: object, plan: object, group: dist
     if q.shape[0] != expected:
         return ValueError(f"q, k and v have {q.shape[0]} tokens on rank {me}, but the plan gives this rank "
                           f"{expected}; pass doccp.shard(x, plan, {me})")
+    if algorithm != "auto":
+        return ALGORITHMS[algorithm].problem(plan, Shapes.of(q, k), group)
     return None

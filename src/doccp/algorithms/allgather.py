@@ -12,48 +12,101 @@ of received rows go back to their owners through the inverse exchange, summed in
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from doccp import comm, kernels
-from doccp.algorithms.schedule import AllGatherSchedule
+from doccp.algorithms.registry import Algorithm, Call, Shapes, register
+from doccp.algorithms.schedule import Geometry
+from doccp.kernels.runs import Runs
+from doccp.kernels.slices import Slices
+from doccp.plan import Plan
+from doccp.plan.exchange import overlaps
+from doccp.ranges import expand, offsets_within
+
+
+@dataclass(frozen=True)
+class AllGatherSchedule:
+    """Selective all-gather: exchange exactly the minimal KV, arrange it in document order."""
+
+    send_rows: list[torch.Tensor]  # local rows to send to each peer
+    recv_sizes: list[int]  # rows received from each peer
+    arrange: torch.Tensor  # rows of cat(local, received...) forming the arranged buffer
+    slices: Slices  # local queries vs arranged buffer: one slice per local piece
+
+
+class AllGather(Algorithm):
+    name = "allgather"
+    summary = "fetch exactly the KV rows local queries see (documents held whole cost nothing), attend once"
+
+    def schedule(self, plan: Plan, me: int) -> AllGatherSchedule:
+        n, geo = plan.world_size, Geometry(plan, me)
+        # Receive: my visible keys cut at the stream's pieces; the parts others hold arrive from
+        # each peer in stream order, after my local rows.
+        i, j, g0, g1 = overlaps(geo.seen_g0, geo.seen_g1, geo.g0, geo.g1)
+        src, length = geo.stream.rank[j], g1 - g0
+        remote = src != me
+        recv_sizes = torch.zeros(n, dtype=torch.int64).index_add_(0, src[remote], length[remote])
+        peer_base = int(geo.local.length.sum()) + torch.cumsum(recv_sizes, 0) - recv_sizes
+        row = torch.empty_like(g0)
+        row[remote] = peer_base[src[remote]] + offsets_within(src[remote], length[remote])
+        own = ~remote
+        piece = torch.searchsorted(geo.local_g0, g0[own], right=True) - 1
+        row[own] = geo.local_row[piece] + (g0[own] - geo.local_g0[piece])
+        arrange = expand(row, length)
+        # Send: every other rank's visible keys cut at my pieces, ordered by (peer, doc, start).
+        others = plan.seen.select(plan.seen.rank != me)
+        base = plan.layout.cu_seqlens[others.doc]
+        i, j, g0, g1 = overlaps(base + others.start, base + others.end, geo.local_g0, geo.local_g1)
+        dst, length = others.rank[i], g1 - g0
+        rows = expand(geo.local_row[j] + (g0 - geo.local_g0[j]), length)
+        send_sizes = torch.zeros(n, dtype=torch.int64).index_add_(0, dst, length)
+        send_rows = list(torch.split(rows, send_sizes.tolist()))
+        arranged = Runs.laid_out(geo.seen.doc, geo.seen.start, geo.seen.length)
+        return AllGatherSchedule(send_rows, recv_sizes.tolist(), arrange, geo.runs.slices_against(arranged, plan.mask))
+
+    def received_bytes(self, plan: Plan, shapes: Shapes) -> list[int]:
+        row = 2 * shapes.kv_heads * shapes.head_dim * shapes.element_bytes  # K and V
+        return [tokens * row for tokens in plan.kv_received]
+
+    def forward(self, q, k, v, call: Call):
+        sched: AllGatherSchedule = call.schedule
+        me, hkv = call.rank, k.shape[1]
+        kv = torch.cat([k, v], 1)
+        sends = [None if p == me else kv.index_select(0, rows.to(kv.device)) for p, rows in enumerate(sched.send_rows)]
+        received = comm.exchange(sends, _peer_shapes(sched.recv_sizes, me, kv.shape[1:]), kv, call.group)
+        gathered = torch.cat([kv, *(r for r in received if r is not None)])
+        arrange = sched.arrange.to(kv.device)
+        k_arr, v_arr = gathered.index_select(0, arrange).split(hkv, 1)
+        out, lse = kernels.attend(q, k_arr, v_arr, sched.slices, call.mask, call.scale, call.backend)
+        return out, lse, (q, k_arr, v_arr, out, lse, arrange)
+
+    def backward(self, dout, saved, call: Call):
+        q, k_arr, v_arr, out, lse, arrange = saved
+        sched: AllGatherSchedule = call.schedule
+        me, hkv = call.rank, k_arr.shape[1]
+        local_rows = call.plan.local_sizes[me]
+        dq, dk, dv = kernels.attend_backward(dout, q, k_arr, v_arr, out, lse, sched.slices, call.mask, call.scale,
+                                             call.backend)
+        dkv_arr = torch.cat([dk, dv], 1).to(torch.promote_types(dk.dtype, torch.float32))  # fp32 sums
+        rows = local_rows + sum(sched.recv_sizes)
+        dkv = dkv_arr.new_zeros((rows, *dkv_arr.shape[1:])).index_add_(0, arrange, dkv_arr)
+        # Received rows' gradients go back to their owners; ours come back from them.
+        bounds = torch.tensor([local_rows, *sched.recv_sizes]).cumsum(0).tolist()
+        sends = [None if p == me else dkv[bounds[p]:bounds[p + 1]] for p in range(len(sched.recv_sizes))]
+        shapes = _peer_shapes([len(r) for r in sched.send_rows], me, dkv.shape[1:])
+        returned = comm.exchange(sends, shapes, dkv, call.group)
+        dkv_local = dkv[:local_rows]
+        for rows_sent, grad in zip(sched.send_rows, returned, strict=True):
+            if grad is not None:
+                dkv_local.index_add_(0, rows_sent.to(grad.device), grad)
+        dk_local, dv_local = dkv_local.to(k_arr.dtype).split(hkv, 1)
+        return dq, dk_local, dv_local
 
 
 def _peer_shapes(sizes: list[int], me: int, row_shape: torch.Size) -> list[tuple[int, ...] | None]:
     return [None if p == me else (s, *row_shape) for p, s in enumerate(sizes)]
 
 
-class AllGatherAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sched: AllGatherSchedule, mask, scale, backend, group):
-        me, hkv = comm.rank(group), k.shape[1]
-        kv = torch.cat([k, v], 1)
-        sends = [None if p == me else kv.index_select(0, rows.to(kv.device)) for p, rows in enumerate(sched.send_rows)]
-        received = comm.exchange(sends, _peer_shapes(sched.recv_sizes, me, kv.shape[1:]), kv, group)
-        gathered = torch.cat([kv, *(r for r in received if r is not None)])
-        arrange = sched.arrange.to(kv.device)
-        k_arr, v_arr = gathered.index_select(0, arrange).split(hkv, 1)
-        out, lse = kernels.attend(q, k_arr, v_arr, sched.slices, mask, scale, backend)
-        ctx.save_for_backward(q, k_arr, v_arr, out, lse, arrange)
-        ctx.setup = (sched, mask, scale, backend, group, gathered.shape[0], k.shape[0], k.dtype, hkv)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k_arr, v_arr, out, lse, arrange = ctx.saved_tensors
-        sched, mask, scale, backend, group, rows, local_rows, dtype, hkv = ctx.setup
-        me = comm.rank(group)
-        dq, dk, dv = kernels.attend_backward(dout, q, k_arr, v_arr, out, lse, sched.slices, mask, scale, backend)
-        dkv_arr = torch.cat([dk, dv], 1).to(torch.promote_types(dk.dtype, torch.float32))  # fp32 sums
-        dkv = dkv_arr.new_zeros((rows, *dkv_arr.shape[1:])).index_add_(0, arrange, dkv_arr)
-        # Received rows' gradients go back to their owners; ours come back from them.
-        bounds = torch.tensor([local_rows, *sched.recv_sizes]).cumsum(0).tolist()
-        sends = [None if p == me else dkv[bounds[p]:bounds[p + 1]] for p in range(len(sched.recv_sizes))]
-        shapes = _peer_shapes([len(r) for r in sched.send_rows], me, dkv.shape[1:])
-        returned = comm.exchange(sends, shapes, dkv, group)
-        dkv_local = dkv[:local_rows]
-        for rows_sent, grad in zip(sched.send_rows, returned, strict=True):
-            if grad is not None:
-                dkv_local.index_add_(0, rows_sent.to(grad.device), grad)
-        dk_local, dv_local = dkv_local.to(dtype).split(hkv, 1)
-        return dq, dk_local, dv_local, None, None, None, None, None
+register(AllGather())

@@ -11,27 +11,66 @@ arrives home after the last step::
     rank 1 attends to     kv1         kv0         kv2
     rank 2 attends to     kv2         kv1         kv0
     backward: dkv_b follows kv_b one hop behind; after step 2 it is back at rank b.
+
+The same loop (:func:`ring_forward`) serves inference: prefill "pass-KV" sends the blocks of
+every rank's KV cache (cached and new keys) around the ring instead of a plan's pieces.
 """
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+
 import torch
 
 from doccp import comm, kernels
-from doccp.algorithms.schedule import RingSchedule
-from doccp.algorithms.work import Work, accumulators, attend_into
+from doccp.algorithms.registry import Algorithm, Call, Shapes, register
+from doccp.algorithms.schedule import Geometry
+from doccp.algorithms.work import accumulators, attend_into, take_rows
+from doccp.kernels.runs import Runs, Work, clip_to_others, work
+from doccp.kernels.slices import Slices
+from doccp.plan import Plan
+from doccp.plan.exchange import overlaps
+from doccp.plan.pieces import Pieces
+from doccp.ranges import offsets_within
 
 
-def _block_shape(sched: RingSchedule, owner: int, like: torch.Tensor) -> tuple[int, ...]:
-    return (sched.block_sizes[owner % len(sched.block_sizes)], *like.shape[1:])
+@dataclass(frozen=True)
+class RingSchedule:
+    """Ring pass-KV: every rank's block (its rows some other rank needs) visits every rank."""
+
+    own_block_rows: torch.Tensor  # local rows forming this rank's block
+    block_sizes: list[int]  # block rows of every rank
+    step_slices: list[Slices]  # step t: local queries vs the block of rank (me - t) % N
 
 
-def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``x[rows]``: a view (no copy) when the rows are one ascending run, else a gather."""
-    n = rows.numel()
-    if n and int(rows[-1]) - int(rows[0]) == n - 1 and (n == 1 or bool((rows[1:] - rows[:-1] == 1).all())):
-        return x[int(rows[0]):int(rows[0]) + n]
-    return x.index_select(0, rows.to(x.device))
+_blocks_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def ring_blocks(plan: Plan) -> tuple[Pieces, torch.Tensor, torch.Tensor]:
+    """Every rank's ring block in stream order, the row of each block interval within its
+    rank's block, and every rank's block size (cached per plan).
+
+    Key ``j`` of a piece ``[a, b)`` is needed by another rank iff a foreign query lies in
+    ``[j - right, j + left]``; the nearest foreign tokens are ``a - 1`` (when ``a > 0``: pieces
+    of one rank never touch) and ``b`` (when ``b < L``), so the block part of a piece is its
+    first ``right`` keys and its last ``left`` keys, no exchange table needed."""
+    if plan in _blocks_of:
+        return _blocks_of[plan]
+    p, mask = plan.stream_pieces, plan.mask
+    length = plan.layout.lengths[p.doc]
+    head_end = torch.where(p.start > 0, torch.minimum(p.end, p.start + mask.right_bound), p.start)
+    tail_start = torch.where(p.end < length, torch.maximum(p.start, p.end - mask.left_bound), p.end)
+    joined = head_end >= tail_start
+    lo = torch.stack([p.start, torch.where(joined, p.end, tail_start)], 1)
+    hi = torch.stack([torch.where(joined, p.end, head_end), p.end], 1)
+    rank, doc = (x[:, None].expand(-1, 2).reshape(-1) for x in (p.rank, p.doc))
+    blocks = Pieces(rank, doc, lo.reshape(-1), hi.reshape(-1))
+    blocks = blocks.select(blocks.end > blocks.start)
+    row = offsets_within(blocks.rank, blocks.length)
+    sizes = torch.zeros(plan.world_size, dtype=torch.int64).index_add_(0, blocks.rank, blocks.length)
+    _blocks_of[plan] = blocks, row, sizes
+    return blocks, row, sizes
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_rows: torch.Tensor, block_sizes: list[int],
@@ -56,30 +95,73 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_rows: 
     return out, lse
 
 
-class RingKVAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sched: RingSchedule, mask, scale, backend, group):
-        steps = [[(s, mask)] for s in sched.step_slices]
-        out, lse = ring_forward(q, k, v, sched.own_block_rows, sched.block_sizes, steps, scale, backend, group)
-        out = out.to(q.dtype)  # lse stays fp32 (fp64 for fp64 inputs)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.setup = (sched, mask, scale, backend, group)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+class RingKV(Algorithm):
+    name = "ring_kv"
+    summary = "KV blocks (only rows another rank sees) travel the ring, each hop hidden behind a step of compute"
+    prefill_name = "pass_kv"
+    overlaps_compute = True
 
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        sched, mask, scale, backend, group = ctx.setup
-        me, n, hkv = comm.rank(group), comm.size(group), k.shape[1]
+    def schedule(self, plan: Plan, me: int) -> RingSchedule:
+        n, geo = plan.world_size, Geometry(plan, me)
+        blocks, block_row, sizes = ring_blocks(plan)
+        cu = plan.layout.cu_seqlens
+        b0, b1 = cu[blocks.doc] + blocks.start, cu[blocks.doc] + blocks.end
+        mine = blocks.rank == me
+        own_block_rows = geo.local_rows(b0[mine], blocks.length[mine])
+        # Keys of every step in one table: the blocks of the other ranks that my queries can see,
+        # at rows (block base of their rank + row in the block), then my own rows after all blocks.
+        base = torch.cumsum(sizes, 0) - sizes
+        total = int(sizes.sum())
+        i, j, g0, g1 = overlaps(geo.seen_g0, geo.seen_g1, b0, b1)
+        keep = blocks.rank[j] != me
+        i, j, g0, g1 = i[keep], j[keep], g0[keep], g1[keep]
+        key_row = torch.cat([base[blocks.rank[j]] + block_row[j] + (g0 - b0[j]), total + geo.local_row])
+        keys = Runs.of(0, torch.cat([blocks.doc[j], geo.local.doc]), key_row,
+                       torch.cat([g0 - cu[blocks.doc[j]], geo.local.start]), torch.cat([g1 - g0, geo.local.length]))
+        slices = geo.runs.slices_against(keys, plan.mask)
+        # Back from one table to one list of slices per step.
+        at_home = slices.k_start >= total
+        src = torch.where(at_home, me, torch.searchsorted(base + sizes, slices.k_start, right=True))
+        shift = torch.where(at_home, total, base[src.clamp(max=n - 1)])
+        slices = Slices(slices.q_start, slices.q_end, slices.k_start - shift, slices.k_end - shift,
+                        slices.q_pos0, slices.k_pos0)
+        step = (me - src) % n
+        order = torch.argsort(step.to(torch.int32), stable=True)
+        counts = torch.bincount(step, minlength=n).tolist()
+        columns = [torch.split(getattr(slices, f)[order], counts) for f in
+                   ("q_start", "q_end", "k_start", "k_end", "q_pos0", "k_pos0")]
+        return RingSchedule(own_block_rows, sizes.tolist(), [Slices(*cols) for cols in zip(*columns, strict=True)])
+
+    def received_bytes(self, plan: Plan, shapes: Shapes) -> list[int]:
+        """Every other rank's block visits each rank once."""
+        sizes = ring_blocks(plan)[2].tolist()
+        row = 2 * shapes.kv_heads * shapes.head_dim * shapes.element_bytes
+        return [(sum(sizes) - own) * row for own in sizes]
+
+    def forward(self, q, k, v, call: Call):
+        sched: RingSchedule = call.schedule
+        steps = [[(s, call.mask)] for s in sched.step_slices]
+        out, lse = ring_forward(q, k, v, sched.own_block_rows, sched.block_sizes, steps, call.scale, call.backend,
+                                call.group)
+        out = out.to(q.dtype)  # lse stays fp32 (fp64 for fp64 inputs)
+        return out, lse, (q, k, v, out, lse)
+
+    def backward(self, dout, saved, call: Call):
+        q, k, v, out, lse = saved
+        sched: RingSchedule = call.schedule
+        me, n, hkv, group = call.rank, call.plan.world_size, k.shape[1], call.group
         kv = torch.cat([k, v], 1)
         grad_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         dq = torch.zeros_like(q, dtype=grad_dtype)
         dkv = torch.zeros_like(kv, dtype=grad_dtype)
+
+        def block_shape(owner: int) -> tuple[int, ...]:
+            return (sched.block_sizes[owner % n], *kv.shape[1:])
+
         block = kv.index_select(0, sched.own_block_rows.to(kv.device))
         acc, acc_hop = None, None
         for t in range(n):
-            hop = comm.RingStep([block], [_block_shape(sched, me - t - 1, kv)], [kv], group) if t < n - 1 else None
+            hop = comm.RingStep([block], [block_shape(me - t - 1)], [kv], group) if t < n - 1 else None
             if acc_hop is not None:  # the accumulator of the block we hold, from the previous rank
                 acc = acc_hop.wait()[0]
             k_t, v_t = (k, v) if t == 0 else block.split(hkv, 1)
@@ -87,16 +169,30 @@ class RingKVAttention(torch.autograd.Function):
                 acc = torch.zeros(block.shape, dtype=grad_dtype, device=block.device)
             if len(sched.step_slices[t]):
                 g_q, g_k, g_v = kernels.attend_backward(dout, q, k_t, v_t, out, lse, sched.step_slices[t],
-                                                        mask, scale, backend)
+                                                        call.mask, call.scale, call.backend)
                 dq += g_q
                 (dkv if t == 0 else acc).add_(torch.cat([g_k, g_v], 1))
             if t > 0:  # pass the accumulator on; after the last step it reaches the block's owner
-                acc_hop = comm.RingStep([acc], [_block_shape(sched, me - t - 1 if t < n - 1 else me, kv)],
-                                        [acc], group)
+                acc_hop = comm.RingStep([acc], [block_shape(me - t - 1 if t < n - 1 else me)], [acc], group)
             if hop is not None:
                 block = hop.wait()[0]
         if acc_hop is not None:
             home = acc_hop.wait()[0]
             dkv.index_add_(0, sched.own_block_rows.to(dkv.device), home)
         dk, dv = dkv.split(hkv, 1)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    def prefill(self, q, cache, queries: Runs, scale, backend, group):
+        """Pass-KV over a KV cache: each rank's block is its cached keys some other rank's new
+        queries can see (within the mask's reach of their hull), sent around the ring."""
+        me, n, mask, seqs = cache.rank, cache.world_size, cache.mask, cache.num_seqs
+        lo, hi = queries.hull(n * seqs, queries.rank * seqs + queries.doc, mask.left_bound, mask.right_bound)
+        blocks = [clip_to_others(cache.runs.select(cache.runs.rank == s), lo, hi, s, n) for s in range(n)]
+        local = queries.select(queries.rank == me)
+        steps = [work(local, cache.local_runs(), mask)]
+        steps += [work(local, blocks[(me - t) % n].packed(), mask) for t in range(1, n)]
+        sizes = [int(b.length.sum()) for b in blocks]
+        return ring_forward(q, cache.k, cache.v, cache.buffer_rows(blocks[me]), sizes, steps, scale, backend, group)
+
+
+register(RingKV())

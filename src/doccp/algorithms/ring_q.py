@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from doccp import comm, kernels
-from doccp.algorithms.ring_kv import take_rows
-from doccp.algorithms.work import Work, attend_work
+from doccp.algorithms.registry import Algorithm, register
+from doccp.algorithms.work import attend_work, take_rows
+from doccp.kernels.runs import Runs, Work, clip_to_others, work
 
 
 def exchange_partials(parts: list[tuple[torch.Tensor, torch.Tensor] | None], recv_rows: list[int],
@@ -66,3 +67,27 @@ def ring_pass_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own_block_row
         if part is not None:
             kernels.merge_into(out, lse, *part, rows=rows)
     return out, lse
+
+
+class RingQ(Algorithm):
+    name = "ring_q"
+    summary = "queries travel the ring to the KV they see, partial results come home (prefill on a long cache)"
+    prefill_name = "pass_q"
+    trains = False
+    overlaps_compute = True
+
+    def prefill(self, q, cache, queries: Runs, scale, backend, group):
+        """Pass-Q over a KV cache: each rank's block is its new queries that some other rank's
+        cached keys can serve (within the mask's reach of their hull), sent around the ring."""
+        me, n, mask, seqs = cache.rank, cache.world_size, cache.mask, cache.num_seqs
+        keys = cache.runs
+        lo, hi = keys.hull(n * seqs, keys.rank * seqs + keys.doc, mask.right_bound, mask.left_bound)
+        blocks = [clip_to_others(queries.select(queries.rank == s), lo, hi, s, n) for s in range(n)]
+        local, own_keys = queries.select(queries.rank == me), cache.local_runs()
+        steps = [work(local, own_keys, mask)]
+        steps += [work(blocks[(me - t) % n].packed(), own_keys, mask) for t in range(1, n)]
+        sizes = [int(b.length.sum()) for b in blocks]
+        return ring_pass_q(q, cache.k, cache.v, blocks[me].rows(), sizes, steps, scale, backend, group)
+
+
+register(RingQ())

@@ -1,133 +1,49 @@
-"""Host-side schedules: who sends which KV rows where, and the slices each step computes.
+"""Host-side geometry every schedule starts from: where a rank's pieces and visible keys sit.
 
-Computed once per (plan, rank, algorithm) from the plan alone (every rank can compute every
-other rank's sizes, so no size handshakes are needed) and cached for the plan's lifetime.
-A *segment* is a run of buffer rows holding consecutive positions of one document:
-``(doc, row, pos, length)``. Buffers are described by segments, and :func:`pair_slices`
-turns (query segments, key segments) into kernel slices, for every algorithm alike.
+A schedule (each algorithm's own, see :mod:`doccp.algorithms.registry`) is derived from the
+plan alone, so every rank can compute every other rank's sizes and no size handshakes are
+needed; it is computed once per (plan, rank, algorithm) and cached for the plan's lifetime.
+Buffers are described by :class:`~doccp.kernels.runs.Runs` and
+:meth:`~doccp.kernels.runs.Runs.slices_against` turns query runs and key runs into kernel
+slices, for every algorithm alike.
+
+Host cost: schedules are interval arithmetic over the plan's pieces in stream order (binary
+searches, cumsums, stable sorts), O(pieces log pieces) plus the rows they list; no loop over
+ranks or documents and no (receiver, sender) table.
 """
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
-
 import torch
 
-from doccp.kernels.slices import Slices, pair_slices
-from doccp.layout import expand_ranges, repeat_interleave
+from doccp.kernels.runs import Runs
 from doccp.plan import Plan
 from doccp.plan.exchange import visible_intervals
-from doccp.plan.pieces import Pieces
+from doccp.ranges import expand
 
 
-@dataclass(frozen=True)
-class Segments:
-    doc: torch.Tensor
-    row: torch.Tensor
-    pos: torch.Tensor
-    length: torch.Tensor
-
-    @classmethod
-    def packed(cls, doc: torch.Tensor, pos: torch.Tensor, length: torch.Tensor, row0: int = 0) -> Segments:
-        """Segments laid out back to back from buffer row ``row0``."""
-        return cls(doc, row0 + torch.cumsum(length, 0) - length, pos, length)
-
-    @classmethod
-    def cat(cls, parts: list[Segments]) -> Segments:
-        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("doc", "row", "pos", "length")))
-
-    @property
-    def rows(self) -> int:
-        return int((self.row + self.length).max()) if self.doc.numel() else 0
-
-    def locate(self, doc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Buffer row holding each ``(doc, pos)``; every position must be in some segment."""
-        big = int(torch.cat([self.pos + self.length, pos]).max()) + 1
-        key = self.doc * big + self.pos
-        order = torch.argsort(key)
-        i = order[torch.searchsorted(key[order], doc * big + pos, right=True) - 1]
-        return self.row[i] + (pos - self.pos[i])
-
-    def expand(self, doc: torch.Tensor, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-        """Buffer rows of the document ranges ``[start, end)``, concatenated in order."""
-        length = end - start
-        return self.locate(repeat_interleave(doc, length), expand_ranges(start, length))
-
-    def slices_against(self, keys: Segments, plan: Plan) -> Slices:
-        return pair_slices(self.doc, self.row, self.pos, self.length,
-                           keys.doc, keys.row, keys.pos, keys.length, plan.mask)
-
-
-def local_segments(plan: Plan, rank: int) -> Segments:
+def local_runs(plan: Plan, rank: int) -> Runs:
+    """The rank's local tokens as stride-1 runs, one per piece, in local row order."""
     p = plan.rank_pieces(rank)
-    return Segments.packed(p.doc, p.start, p.length)
+    return Runs.laid_out(p.doc, p.start, p.length, rank=rank)
 
 
-@dataclass(frozen=True)
-class AllGatherSchedule:
-    """Selective all-gather: exchange exactly the minimal KV, arrange it in document order."""
+class Geometry:
+    """Stream offsets of a plan's pieces and one rank's view of them (shared by the schedules)."""
 
-    send_rows: list[torch.Tensor]  # local rows to send to each peer
-    recv_sizes: list[int]  # rows received from each peer
-    arrange: torch.Tensor  # rows of cat(local, received...) forming the arranged buffer
-    slices: Slices  # local queries vs arranged buffer: one slice per local piece
+    def __init__(self, plan: Plan, me: int):
+        cu = plan.layout.cu_seqlens
+        self.stream = s = plan.stream_pieces
+        self.g0, self.g1 = cu[s.doc] + s.start, cu[s.doc] + s.end
+        self.local = p = plan.rank_pieces(me)
+        self.local_g0, self.local_g1 = cu[p.doc] + p.start, cu[p.doc] + p.end
+        self.local_row = torch.cumsum(p.length, 0) - p.length
+        self.runs = Runs.laid_out(p.doc, p.start, p.length, rank=me)
+        self.seen = visible_intervals(p, plan.layout.lengths, plan.mask)  # what my queries see
+        base = cu[self.seen.doc]
+        self.seen_g0, self.seen_g1 = base + self.seen.start, base + self.seen.end
 
-
-@dataclass(frozen=True)
-class RingSchedule:
-    """Ring pass-KV: every rank's block (its rows some other rank needs) visits every rank."""
-
-    own_block_rows: torch.Tensor  # local rows forming this rank's block
-    block_sizes: list[int]  # block rows of every rank
-    step_slices: list[Slices]  # step t: local queries vs the block of rank (me - t) % N
-
-
-_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def schedule(plan: Plan, rank: int, algorithm: str) -> AllGatherSchedule | RingSchedule:
-    per_plan = _cache.setdefault(plan, {})
-    key = (algorithm, rank)
-    if key not in per_plan:
-        per_plan[key] = {"allgather": _allgather, "ring_kv": _ring}[algorithm](plan, rank)
-    return per_plan[key]
-
-
-def _allgather(plan: Plan, me: int) -> AllGatherSchedule:
-    ex, n = plan.exchange, plan.world_size
-    local = local_segments(plan, me)
-    send_rows, recv_sizes, parts = [], [], [local]
-    row = local.rows
-    for peer in range(n):
-        out = ex.select((ex.src == me) & (ex.dst == peer))
-        send_rows.append(local.expand(out.doc, out.start, out.end))
-        inc = ex.select((ex.dst == me) & (ex.src == peer))
-        recv_sizes.append(int(inc.length.sum()))
-        parts.append(Segments.packed(inc.doc, inc.start, inc.length, row0=row))
-        row += recv_sizes[-1]
-    gathered = Segments.cat(parts)
-    seen = visible_intervals(plan.rank_pieces(me), plan.layout.lengths, plan.mask)
-    arranged = Segments.packed(seen.doc, seen.start, seen.length)
-    return AllGatherSchedule(send_rows, recv_sizes, gathered.expand(seen.doc, seen.start, seen.end),
-                             local.slices_against(arranged, plan))
-
-
-def block_intervals(plan: Plan, src: int) -> Pieces:
-    """Rows of ``src`` that some other rank needs, merged, as (src, doc, start, end)."""
-    ex = plan.exchange
-    sel = ex.select(ex.src == src)
-    return Pieces(sel.src, sel.doc, sel.start, sel.end).normalized_union()
-
-
-def _ring(plan: Plan, me: int) -> RingSchedule:
-    n = plan.world_size
-    local = local_segments(plan, me)
-    blocks = [block_intervals(plan, s) for s in range(n)]
-    own = blocks[me]
-    steps = [local.slices_against(local, plan)]
-    for t in range(1, n):
-        b = blocks[(me - t) % n]
-        steps.append(local.slices_against(Segments.packed(b.doc, b.start, b.length), plan))
-    return RingSchedule(local.expand(own.doc, own.start, own.end),
-                        [int(b.length.sum()) for b in blocks], steps)
+    def local_rows(self, g0: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        """Local rows of the stream ranges ``[g0, g0 + length)`` (all held by this rank)."""
+        piece = torch.searchsorted(self.local_g0, g0, right=True) - 1
+        return expand(self.local_row[piece] + (g0 - self.local_g0[piece]), length)

@@ -11,10 +11,7 @@ from __future__ import annotations
 import torch
 
 from doccp import kernels
-from doccp.kernels.slices import Slices
-from doccp.masks import Mask
-
-Work = list[tuple[Slices, Mask]]
+from doccp.kernels.runs import Work
 
 
 def accumulators(q: torch.Tensor, rows: int | None = None, dim: int | None = None
@@ -40,3 +37,11 @@ def attend_work(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, work: Work, s
     out, lse = accumulators(q, dim=v.shape[2])
     attend_into(out, lse, q, k, v, work, scale, backend)
     return out, lse
+
+
+def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x[rows]``: a view (no copy) when the rows are one ascending run, else a gather."""
+    n = rows.numel()
+    if n and int(rows[-1]) - int(rows[0]) == n - 1 and (n == 1 or bool((rows[1:] - rows[:-1] == 1).all())):
+        return x[int(rows[0]):int(rows[0]) + n]
+    return x.index_select(0, rows.to(x.device))

@@ -40,10 +40,6 @@ class Corpus:
     files: tuple[Path, ...]
     sizes: tuple[int, ...]
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(self.sizes)
-
 
 def scan(root: str | os.PathLike, pattern: str = "*") -> Corpus:
     """List the non-empty files under ``root`` matching ``pattern`` (recursively).

@@ -34,6 +34,7 @@ import doccp
 import doccp.algorithms
 import doccp.varlen  # noqa: F401  (imported up front, so no timed step pays for imports)
 from doccp import comm
+from doccp.algorithms.registry import prefilling
 from doccp.app.corpus import VOCAB
 from doccp.inference import ShardedKVCache, decode, prefill
 from doccp.layout import DocLayout
@@ -48,8 +49,8 @@ MODEL = {"vocab": VOCAB, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2
 #: there the one-process reference itself drifts, e.g. embedding gradients summed in bf16.)
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
 
-#: Prefill algorithms the demo checks (each followed by the same decode steps).
-PREFILL = ("pass_kv", "pass_q")
+#: Prefill algorithms the demo checks (each followed by the same decode steps): all of them.
+PREFILL = tuple(prefilling())
 
 
 @dataclass(frozen=True)

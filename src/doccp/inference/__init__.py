@@ -17,7 +17,7 @@ tokens are ``cache.lengths[doc] + plan.positions(rank)`` (prefill) and ``cache.l
 - :mod:`~doccp.inference.prefill`: pass-KV and pass-Q prefill.
 - :mod:`~doccp.inference.decode`: decode with outputs merged on each sequence's owner.
 - :mod:`~doccp.inference.heuristic`: Algorithm 5, calibrated on the group.
-- :mod:`~doccp.inference.runs`: the compact description of cached positions and its slices.
+- :mod:`~doccp.kernels.runs`: the compact description of cached positions and its slices.
 """
 
 from doccp.inference.cache import ShardedKVCache

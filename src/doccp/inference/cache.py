@@ -29,9 +29,10 @@ import torch.distributed as dist
 
 from doccp import comm
 from doccp.agreement import tensor_hash
-from doccp.inference.runs import Runs, offsets_within, spread
+from doccp.kernels.runs import Runs
 from doccp.masks import Mask
 from doccp.plan import Plan
+from doccp.ranges import expand, offsets_within
 
 #: Smallest region a sequence gets (rows), so early decode steps do not move regions.
 MIN_REGION = 16
@@ -124,7 +125,7 @@ class ShardedKVCache:
 
     def buffer_rows(self, runs: Runs) -> torch.Tensor:
         """Rows of :attr:`k` / :attr:`v` holding this rank's ``runs`` (rows = offsets in the sequence)."""
-        return spread(self._start[runs.doc] + runs.row, runs.length, torch.ones_like(runs.row))
+        return expand(self._start[runs.doc] + runs.row, runs.length, torch.ones_like(runs.row))
 
     def decode_ranks(self) -> torch.Tensor:
         """Rank that stores each sequence's KV of the next decode step: ``(b + step) % N``."""
@@ -270,8 +271,8 @@ class ShardedKVCache:
         used = self.counts[self.rank, seqs]
         self.rows_copied += int(used.sum())
         one = torch.ones_like(used)
-        src = spread(self._start[seqs], used, one).to(k.device)
-        dst = spread(start[seqs], used, one).to(k.device)
+        src = expand(self._start[seqs], used, one).to(k.device)
+        dst = expand(start[seqs], used, one).to(k.device)
         k.index_copy_(0, dst, self.k.index_select(0, src))
         v.index_copy_(0, dst, self.v.index_select(0, src))
 

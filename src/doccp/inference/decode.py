@@ -22,8 +22,8 @@ from doccp.algorithms.ring_q import exchange_partials
 from doccp.algorithms.work import Work, attend_work
 from doccp.checks import choice_problem, first, qkv_problem, scale_problem
 from doccp.inference.cache import ShardedKVCache
-from doccp.inference.runs import Runs, work
 from doccp.kernels import BACKENDS, default_scale
+from doccp.kernels.runs import Runs, work
 from doccp.kernels.slices import Slices
 from doccp.masks import Mask
 

@@ -24,6 +24,7 @@ both algorithms' steps and :func:`choose_prefill_algorithm` takes the cheaper. W
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ import torch.distributed as dist
 from doccp import comm, kernels
 from doccp.kernels.slices import Slices
 from doccp.masks import Mask
+
+log = logging.getLogger("doccp")
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ def calibrate(group: dist.ProcessGroup | None = None, n_heads: int = 8, n_kv_hea
     key = (members, str(device), dtype, n_heads, n_kv_heads, head_dim, queries, keys, hop_bytes, repeats)
     if key in _calibrations:
         return _calibrations[key]
+    log.info("doccp: calibrating pass-KV vs pass-Q on a group of %d ranks (a collective micro-benchmark, run once "
+             "per group and shape; call doccp.inference.calibrate() ahead to choose when)", comm.size(group))
     g = torch.Generator(device="cpu").manual_seed(0)
     q = torch.randn(queries, n_heads, head_dim, generator=g).to(device, dtype)
     k, v = (torch.randn(keys, n_kv_heads, head_dim, generator=g).to(device, dtype) for _ in range(2))
@@ -87,10 +92,9 @@ def calibrate(group: dist.ProcessGroup | None = None, n_heads: int = 8, n_kv_hea
         compute()
         posted.wait()
 
-    counted = (comm.traffic.sent, comm.traffic.received)
-    samples = torch.tensor([[_seconds(f, device) for f in (compute, lambda: hop().wait(), both)]
-                            for _ in range(repeats + 1)][1:], dtype=torch.float64)  # the first warms up
-    comm.traffic.sent, comm.traffic.received = counted  # measuring is not the caller's traffic
+    with comm.unmeasured():  # measuring is not the caller's traffic
+        samples = torch.tensor([[_seconds(f, device) for f in (compute, lambda: hop().wait(), both)]
+                                for _ in range(repeats + 1)][1:], dtype=torch.float64)  # the first warms up
     dist.all_reduce(samples, dist.ReduceOp.MAX, group=group)
     c, h, both_s = samples.unbind(1)
     overlap = ((c + h - both_s) / torch.minimum(c, h)).clamp(0, 1).median()
@@ -128,18 +132,20 @@ def predict(new_tokens: int, cached_tokens: int, world_size: int, n_heads: int, 
 def choose_prefill_algorithm(new_tokens: int, cached_tokens: int, world_size: int, n_heads: int, n_kv_heads: int,
                              *, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
                              flops: float | None = None, bandwidth: float | None = None, overlap: float | None = None,
-                             group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu") -> str:
+                             calibration: Calibration | None = None, group: dist.ProcessGroup | None = None,
+                             device: torch.device | str = "cpu") -> str:
     """``"pass_kv"`` or ``"pass_q"``: Algorithm 5 with measured overlap (module docstring).
 
     ``flops`` (attention FLOP/s per rank), ``bandwidth`` (bytes/s per ring hop) and
-    ``overlap`` (hidden fraction of a hop, 1 = the paper's assumption) default to
-    :func:`calibrate` on ``group`` with these heads, ``head_dim``, ``dtype`` and ``device``
-    (collective the first time); pass all three to decide without measuring.
+    ``overlap`` (hidden fraction of a hop, 1 = the paper's assumption) come from
+    ``calibration``, else from :func:`calibrate` on ``group`` with these heads, ``head_dim``,
+    ``dtype`` and ``device`` (a collective micro-benchmark the first time, then cached); each
+    one given explicitly overrides it, and all three decide without measuring.
     """
     if world_size == 1:
         return "pass_kv"  # nothing travels; the two are the same computation
     if flops is None or bandwidth is None or overlap is None:
-        measured = calibrate(group, n_heads, n_kv_heads, head_dim, dtype, device)
+        measured = calibration or calibrate(group, n_heads, n_kv_heads, head_dim, dtype, device)
         flops = measured.flops if flops is None else flops
         bandwidth = measured.bandwidth if bandwidth is None else bandwidth
         overlap = measured.overlap if overlap is None else overlap

@@ -23,29 +23,30 @@ import torch.distributed as dist
 
 from doccp.agreement import agree
 from doccp.algorithms import attention_problem, call_fields
-from doccp.algorithms.ring_kv import ring_forward
-from doccp.algorithms.ring_q import ring_pass_q
+from doccp.algorithms.registry import prefilling
 from doccp.checks import choice_problem
 from doccp.inference.cache import ShardedKVCache
-from doccp.inference.heuristic import choose_prefill_algorithm
-from doccp.inference.runs import BIG, Runs, offsets_within, work
+from doccp.inference.heuristic import Calibration, choose_prefill_algorithm
 from doccp.kernels import default_scale
+from doccp.kernels.runs import Runs
 from doccp.plan import Plan
-
-ALGORITHMS = ("pass_kv", "pass_q")
+from doccp.ranges import offsets_within
 
 
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, cache: ShardedKVCache,
             group: dist.ProcessGroup | None = None, algorithm: str = "auto", scale: float | None = None,
-            backend: str = "auto", return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            backend: str = "auto", return_lse: bool = False, calibration: Calibration | None = None
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of this rank's new tokens over cached + new keys; appends the new KV.
 
     q ``[T_local, Hq, D]``, k/v ``[T_local, Hkv, D]`` are this rank's shards of the new tokens
     (``doccp.shard(x, plan, rank)``); ``plan.layout`` has one document per sequence of the
     cache (zero-length for sequences without new tokens) and ``plan.mask`` is the mask. With
     an empty cache this is a full prefill. ``algorithm``: ``"pass_kv"``, ``"pass_q"`` or
-    ``"auto"`` (:func:`choose_prefill_algorithm`). Returns out ``[T_local, Hq, D]`` and, with
-    ``return_lse``, lse ``[Hq, T_local]`` (fp32). Bad input raises the same error on every rank.
+    ``"auto"`` (:func:`choose_prefill_algorithm`, from ``calibration``; without one, the first
+    ``auto`` prefill on a group runs :func:`~doccp.inference.calibrate`, a collective
+    micro-benchmark of the group cached for later calls). Returns out ``[T_local, Hq, D]`` and,
+    with ``return_lse``, lse ``[Hq, T_local]`` (fp32). Bad input raises the same error on every rank.
     """
     problem = _problem(q, k, v, plan, cache, group, algorithm, backend, scale)
     fields = call_fields(q, k, plan, algorithm, backend, scale)
@@ -56,56 +57,25 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, cache
     if algorithm == "auto":
         new = plan.layout.lengths
         algorithm = choose_prefill_algorithm(int(new.sum()), int(offset[new > 0].sum()), n, q.shape[1], k.shape[1],
-                                             dtype=q.dtype, head_dim=q.shape[2], group=group, device=q.device)
+                                             dtype=q.dtype, head_dim=q.shape[2], calibration=calibration, group=group,
+                                             device=q.device)
     cache.append(k, v, plan)
     p = plan.all_pieces
     queries = Runs(p.rank, p.doc, offsets_within(p.rank, p.length), offset[p.doc] + p.start, p.length,
                    torch.ones_like(p.doc))
-    run = _pass_kv if algorithm == "pass_kv" else _pass_q
-    out, lse = run(q, cache, queries, default_scale(q, scale), backend, group)
+    out, lse = prefilling()[algorithm].prefill(q, cache, queries, default_scale(q, scale), backend, group)
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out
 
 
-def _pass_kv(q, cache: ShardedKVCache, queries: Runs, scale, backend, group):
-    me, n, mask, seqs = cache.rank, cache.world_size, cache.mask, cache.num_seqs
-    lo, hi = queries.hull(n * seqs, queries.rank * seqs + queries.doc, mask.left_bound, mask.right_bound)
-    blocks = [_clip_to_others(cache.runs.select(cache.runs.rank == s), lo, hi, s, n) for s in range(n)]
-    local = queries.select(queries.rank == me)
-    steps = [work(local, cache.local_runs(), mask)]
-    steps += [work(local, blocks[(me - t) % n].packed(), mask) for t in range(1, n)]
-    sizes = [int(b.length.sum()) for b in blocks]
-    return ring_forward(q, cache.k, cache.v, cache.buffer_rows(blocks[me]), sizes, steps, scale, backend, group)
-
-
-def _pass_q(q, cache: ShardedKVCache, queries: Runs, scale, backend, group):
-    me, n, mask, seqs = cache.rank, cache.world_size, cache.mask, cache.num_seqs
-    keys = cache.runs
-    lo, hi = keys.hull(n * seqs, keys.rank * seqs + keys.doc, mask.right_bound, mask.left_bound)
-    blocks = [_clip_to_others(queries.select(queries.rank == s), lo, hi, s, n) for s in range(n)]
-    local, own_keys = queries.select(queries.rank == me), cache.local_runs()
-    steps = [work(local, own_keys, mask)]
-    steps += [work(blocks[(me - t) % n].packed(), own_keys, mask) for t in range(1, n)]
-    sizes = [int(b.length.sum()) for b in blocks]
-    return ring_pass_q(q, cache.k, cache.v, blocks[me].rows(), sizes, steps, scale, backend, group)
-
-
-def _clip_to_others(runs: Runs, lo: torch.Tensor, hi: torch.Tensor, rank: int, n: int) -> Runs:
-    """``runs`` of ``rank`` clipped, per sequence, to the hull ``[lo, hi)`` of all other ranks
-    (``lo``/``hi`` are ``[n * seqs]`` hulls per (rank, sequence))."""
-    lo, hi = lo.view(n, -1).clone(), hi.view(n, -1).clone()
-    lo[rank], hi[rank] = BIG, -BIG
-    return runs.clip(lo.min(0).values[runs.doc], hi.max(0).values[runs.doc])
-
-
 def _problem(q, k, v, plan, cache, group, algorithm, backend, scale) -> BaseException | None:
     """The first thing wrong with the arguments on this rank (returned, not raised)."""
-    problem = attention_problem(q, k, v, plan, group, "auto", backend, scale)
+    problem = attention_problem(q, k, v, plan, group, "auto", backend, scale)  # (the training algorithm unused)
     if problem is not None:
         return problem
     if not isinstance(cache, ShardedKVCache):
         return TypeError(f"cache must be a doccp.ShardedKVCache, got {type(cache).__name__}")
-    problem = choice_problem(algorithm, "algorithm", ["auto", *ALGORITHMS])
+    problem = choice_problem(algorithm, "algorithm", ["auto", *prefilling()])
     if problem is not None:
         return problem
     if plan.mask.right != 0:

@@ -70,11 +70,8 @@ class PaddedPlan:
 
     def local_layout(self, rank: int) -> DocLayout:
         """The rank's local rows as a padded layout: ``pack_padded`` gives its THD shard."""
-        self.plan._check_rank(rank)
+        self.plan.check_rank(rank)
         return self._local_layouts[rank]
-
-    def local_lengths(self, rank: int) -> torch.Tensor:
-        return self.local_layout(rank).lengths
 
     def source_index(self, rank: int, row_len: int) -> torch.Tensor:
         """Flat index into ``[B * row_len]`` of each token of the rank's THD shard."""

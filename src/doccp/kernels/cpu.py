@@ -1,11 +1,11 @@
-"""The ``cpu`` backend: PyTorch's CPU flash kernel, batched over pieces of slices.
+"""The ``cpu`` backend: PyTorch's CPU flash kernel, slices cut into batched kernel calls.
 
 Why this shape. The kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` and its
 ``_backward``) returns the logsumexp and does GQA natively (no repeated K/V). Its causal
 flag skips work only in blocks of 512 keys, and an additive mask costs about what no mask
-costs (measured: 256- and 512-squares take the same time causal, masked or full; 1024+
-squares gain from causal). So every slice is trimmed to the rows and keys that see each
-other and becomes one *piece*, or a few, of three kinds::
+costs (256- and 512-squares take the same time causal, masked or full; 1024+ squares gain
+from causal; docs/benchmarks.md has the kernel measurements). So every slice is trimmed to
+the rows and keys that see each other and becomes one kernel *call*, or a few, of three kinds::
 
     R  rectangle, no mask         causal, late chunk vs prefix   window(2), blocks of 2 rows
     C  top-left causal flag       k:  0 1 2 3 4 5 6 7            k:  0 1 2 3 4 5 6 7
@@ -13,22 +13,22 @@ other and becomes one *piece*, or a few, of three kinds::
        mask, shared by the        q5  R R R R C C . .            q1  C C . . . . . .
        whole batch                q6  R R R R C C C .            q2  M M M . . . . .
                                   q7  R R R R C C C C            q3  . M M M . . . .
-                                  (one M piece while small)      q4  . . M M M . . .
+                                  (one M call while small)       q4  . . M M M . . .
                                                                  q5  . . . M M M . .
     (the two M blocks have one shape: one batched call. A block whose mask would be huge
      is cut into zones instead: keys only the lower edge cuts (M), keys every row sees (R),
      and a top-left triangle (C))
 
-A causal document is one C piece, a full one one R piece, a windowed one a C piece for
-its first block, then M blocks. Pieces of equal ``(kind, m, n, diagonals)`` run as ONE
+A causal document is one C call, a full one one R call, a windowed one a C call for
+its first block, then M blocks. Calls of equal ``(kind, m, n, diagonals)`` run as ONE
 batched kernel call, so thousands of short documents cost one call per distinct length,
 and all interior blocks of all windowed documents cost one call (batching gathers the rows:
-pieces with ``SOLO_KEYS`` keys or more, where that copy would cost more than the calls it
-saves, run one call each on views). Pieces sharing query rows merge by log-sum-exp in fp32.
+calls with ``SOLO_KEYS`` keys or more, where that copy would cost more than the calls it
+saves, run one call each on views). Calls sharing query rows merge by log-sum-exp in fp32.
 
-The backward calls the kernel's backward per piece with the *final* merged out and lse:
+The backward runs the kernel's backward per call with the *final* merged out and lse:
 it computes ``D = rowsum(dO * O)`` and ``P = exp(S - lse)`` from them, which is exactly the
-piece's share of the gradient, so nothing is recomputed and contributions just add up.
+call's share of the gradient, so nothing is recomputed and contributions just add up.
 """
 
 from __future__ import annotations
@@ -39,44 +39,30 @@ from dataclasses import dataclass
 
 import torch
 
-from doccp.kernels.slices import Slices
+from doccp.kernels.merge import merge_rows
+from doccp.kernels.slices import Slices, trim
 from doccp.masks import Mask
+from doccp.ranges import expand, repeat
 
 _FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
-RECT, CAUSAL, MASKED = 0, 1, 2  # piece kinds: no mask; top-left causal flag; explicit band mask
-#: Rows per block of a windowed slice (at most the band width, at least 32): measured on
-#: bench/kernels.py; blocks of 64..512 rows cost about the same for window 1024.
+RECT, CAUSAL, MASKED = 0, 1, 2  # call kinds: no mask; top-left causal flag; explicit band mask
+#: Rows per block of a windowed slice (at most the band width, at least 32); blocks of 64..512
+#: rows cost about the same for window 1024 (bench/kernels.py).
 BAND_BLOCK = 256
 #: A triangle of at least this many keys runs with the causal flag rather than a mask.
 CAUSAL_MIN = 1024
-#: Larger explicit masks (elements) are avoided by cutting the piece into zones instead.
+#: Larger explicit masks (elements) are avoided by cutting the call into zones instead.
 MASK_MAX = 1 << 20
-#: Pieces with at least this many keys run one call each on views instead of one batched call
-#: that gathers (copies) their keys: measured with one query row per piece (decode), the copy
-#: makes the batch 3x slower at 16k keys and is cheaper than the extra calls below ~8k.
+#: Calls with at least this many keys run one each on views instead of in one batched call
+#: that gathers (copies) their keys: with one query row per call (decode) the copy costs more
+#: than the extra calls from about 8k keys on (bench/inference.py).
 SOLO_KEYS = 8192
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-# -- slice geometry (device-agnostic; the cuda backend uses trim and merge_rows too) ---------
-def trim(slices: Slices, mask: Mask) -> Slices:
-    """Shrink every slice to the query rows that see some key and the keys some row sees;
-    drop empty slices. Afterwards every row of a slice sees at least one of its keys, so no
-    kernel call has an empty row (the cpu kernel would report lse 0 there, flash +inf)."""
-    m, n = slices.q_end - slices.q_start, slices.k_end - slices.k_start
-    qp, kp = slices.q_pos0, slices.k_pos0
-    k_lo = torch.maximum(kp, qp - mask.left_bound)
-    k_hi = torch.minimum(kp + n, qp + m + mask.right_bound)
-    q_lo = torch.maximum(qp, kp - mask.right_bound)
-    q_hi = torch.minimum(qp + m, kp + n + mask.left_bound)
-    keep = (k_hi > k_lo) & (q_hi > q_lo)
-    qs, ks = slices.q_start + (q_lo - qp), slices.k_start + (k_lo - kp)
-    out = Slices(qs, qs + (q_hi - q_lo), ks, ks + (k_hi - k_lo), q_lo, k_lo)
-    return out if bool(keep.all()) else out.select(keep)
-
-
+# -- cutting slices into kernel calls -------------------------------------------------------
 def split_rows(slices: Slices, which: torch.Tensor, height: int) -> Slices:
     """Cut the slices picked by ``which`` into blocks of ``height`` query rows."""
     m = slices.q_end - slices.q_start
@@ -84,9 +70,8 @@ def split_rows(slices: Slices, which: torch.Tensor, height: int) -> Slices:
     blocks = (m + step - 1) // step
     if bool((blocks <= 1).all()):
         return slices
-    idx = torch.repeat_interleave(torch.arange(len(slices)), blocks)
-    first = torch.cumsum(blocks, 0) - blocks
-    offset = (torch.arange(idx.numel()) - first[idx]) * step[idx]
+    idx = repeat(torch.arange(len(slices)), blocks)
+    offset = expand(torch.zeros_like(step), blocks, step)  # 0, step, 2*step, ... within each slice
     qs = slices.q_start[idx] + offset
     qe = torch.minimum(qs + step[idx], slices.q_end[idx])
     return Slices(qs, qe, slices.k_start[idx], slices.k_end[idx], slices.q_pos0[idx] + offset, slices.k_pos0[idx])
@@ -99,8 +84,8 @@ def _diagonals(s: Slices, mask: Mask) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @dataclass(frozen=True)
-class Pieces:
-    """Kernel calls: rows ``[q0, q0+m)`` against keys ``[k0, k0+n)``; a MASKED piece's row
+class Calls:
+    """Kernel calls: rows ``[q0, q0+m)`` against keys ``[k0, k0+n)``; a MASKED call's row
     ``i`` sees keys ``[i + lo, i + hi]``."""
 
     q0: torch.Tensor
@@ -112,8 +97,8 @@ class Pieces:
     hi: torch.Tensor
 
     @classmethod
-    def of(cls, slices: Slices, mask: Mask) -> Pieces:
-        """Cut slices into R / C / M pieces (module docstring); exact for any band mask."""
+    def of(cls, slices: Slices, mask: Mask) -> Calls:
+        """Cut slices into R / C / M calls (module docstring); exact for any band mask."""
         s = trim(slices, mask)
         m = s.q_end - s.q_start
         lo, _ = _diagonals(s, mask)
@@ -144,7 +129,7 @@ class Pieces:
         return self.q0.numel()
 
     def coverage(self, side: str, total: int) -> str:
-        """How the pieces' rows (``side="q"``) or keys (``"k"``) cover ``[0, total)``:
+        """How the calls' rows (``side="q"``) or keys (``"k"``) cover ``[0, total)``:
         ``"tiles"`` (each exactly once), ``"disjoint"`` (at most once) or ``"overlaps"``."""
         start, length = (self.q0, self.m) if side == "q" else (self.k0, self.n)
         order = torch.argsort(start)
@@ -154,8 +139,8 @@ class Pieces:
         return "tiles" if int(length.sum()) == total else "disjoint"
 
     def groups(self, dtype: torch.dtype) -> Iterator[tuple[bool, torch.Tensor | None, _Rows, _Rows]]:
-        """``(causal flag, mask, rows, keys)`` per distinct piece shape: one batched call each
-        (one call per piece from ``SOLO_KEYS`` keys)."""
+        """``(causal flag, mask, rows, keys)`` per distinct call shape: one batched call each
+        (one call per call from ``SOLO_KEYS`` keys)."""
         if not len(self):
             return
         fields = torch.stack([self.kind, self.m, self.n, self.lo, self.hi], 1)
@@ -222,26 +207,6 @@ class _Rows:
         return index, x.transpose(1, 2).flatten(0, 1)
 
 
-def merge_rows(rows: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, num_rows: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """N-way LSE merge of partial results ``out [P, H, D]``, ``lse [P, H]`` landing on
-    ``rows [P]`` (repeats allowed) -> ``out [num_rows, H, D]``, ``lse [num_rows, H]`` in fp32
-    (fp64 stays fp64). Rows no part lands on get 0 and -inf; never NaN."""
-    dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
-    lse = lse.to(dtype)
-    h = lse.shape[1]
-    peak = torch.full((num_rows, h), float("-inf"), dtype=dtype, device=out.device)
-    peak.scatter_reduce_(0, rows[:, None].expand(-1, h), lse, "amax")
-    peak = peak.nan_to_num(neginf=0.0)  # rows/heads without a finite part: weight exp(-inf) = 0
-    weight = torch.exp(lse - peak[rows])
-    total = torch.zeros_like(peak).index_add_(0, rows, weight)
-    merged_lse = peak + torch.log(total)  # log(0) = -inf where nothing landed
-    weight = (weight / total.clamp(min=torch.finfo(dtype).tiny)[rows]).unsqueeze(-1)
-    merged = torch.zeros(num_rows, h, out.shape[-1], dtype=dtype, device=out.device)
-    merged.index_add_(0, rows, out.to(dtype) * weight)
-    return merged, merged_lse
-
-
 # -- the backend -------------------------------------------------------------------------
 def _check(q: torch.Tensor) -> None:
     if q.device.type != "cpu":
@@ -252,13 +217,13 @@ def _check(q: torch.Tensor) -> None:
 
 def _compute_dtype(q: torch.Tensor) -> torch.dtype:
     """bf16/fp16 run the kernel in fp32: its low-precision path keeps P and dS in 16 bits
-    (3-4x the gradient error of fp32 math) and, without AMX, its bf16 backward is ~2.7x
-    slower than fp32 (measured on AVX-512). Inputs are upcast once, results cast back."""
+    (several times the gradient error of fp32 math) and, without AMX, its bf16 backward is
+    slower than fp32. Inputs are upcast once, results cast back."""
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def _buffer(like: torch.Tensor, shape: tuple[int, ...], coverage: str, fill: float) -> torch.Tensor:
-    """An output buffer; left unfilled when the pieces will write every row of it."""
+    """An output buffer; left unfilled when the calls will write every row of it."""
     if coverage == "tiles":
         return like.new_empty(shape)
     return like.new_full(shape, fill)
@@ -271,12 +236,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slices: Slices, ma
     dtype, compute = q.dtype, _compute_dtype(q)
     q, k, v = (x.to(compute) for x in (q, k, v))
     t, h, _ = q.shape
-    pieces = Pieces.of(slices, mask)
-    rows_covered = pieces.coverage("q", t)
+    calls = Calls.of(slices, mask)
+    rows_covered = calls.coverage("q", t)
     out = _buffer(q, (t, h, v.shape[-1]), rows_covered, 0.0)
     lse_t = _buffer(q, (t, h), rows_covered, float("-inf"))  # [Tq, Hq] while filling
     parts = []
-    for causal, band, rows, keys in pieces.groups(compute):
+    for causal, band, rows, keys in calls.groups(compute):
         o, lse = _FORWARD(rows.take(q), keys.take(k), keys.take(v), 0.0, causal, attn_mask=band, scale=scale)
         if rows_covered == "overlaps":
             parts.append((*rows.flat(o), rows.flat(lse)[1]))
@@ -296,11 +261,11 @@ def attend_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     _check(q)
     dtype, compute = q.dtype, _compute_dtype(q)
     dout, q, k, v, out, lse = (x.to(compute) for x in (dout, q, k, v, out, lse))
-    pieces = Pieces.of(slices, mask)
-    q_cover, k_cover = pieces.coverage("q", q.shape[0]), pieces.coverage("k", k.shape[0])
+    calls = Calls.of(slices, mask)
+    q_cover, k_cover = calls.coverage("q", q.shape[0]), calls.coverage("k", k.shape[0])
     dq = _buffer(q, q.shape, q_cover, 0.0)
     dk, dv = _buffer(k, k.shape, k_cover, 0.0), _buffer(v, v.shape, k_cover, 0.0)
-    for causal, band, rows, keys in pieces.groups(compute):
+    for causal, band, rows, keys in calls.groups(compute):
         grads = _BACKWARD(rows.take(dout), rows.take(q), keys.take(k), keys.take(v), rows.take(out),
                           rows.take_lse(lse), 0.0, causal, attn_mask=band, scale=scale)
         for dst, grad, where, cover in zip((dq, dk, dv), grads, (rows, keys, keys), (q_cover, k_cover, k_cover),

@@ -10,7 +10,7 @@ sequence sees key ``j`` of an ``n``-row sequence iff
 ``n - m + i - left <= j <= n - m + i + right``. A slice whose first rows sit at document
 positions ``qp``/``kp`` sees ``j`` iff ``qp + i - L <= kp + j <= qp + i + R``: the same
 band, with ``left = L + (n - m) - (qp - kp)`` and ``right = R - (n - m) + (qp - kp)``. After
-:func:`~doccp.kernels.cpu.trim` both are ``>= 0`` (the last row sees some key, the last key
+:func:`~doccp.kernels.slices.trim` both are ``>= 0`` (the last row sees some key, the last key
 is seen by the last row), so every slice is one flash window and slices with equal windows
 run as one varlen call (for one device, all documents share ``(L, R)``: a single call).
 
@@ -26,9 +26,10 @@ import functools
 
 import torch
 
-from doccp.kernels.cpu import merge_rows, trim
-from doccp.kernels.slices import Slices
+from doccp.kernels.merge import merge_rows
+from doccp.kernels.slices import Slices, trim
 from doccp.masks import Mask
+from doccp.ranges import expand
 
 DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_BACKWARD = torch.ops.aten._flash_attention_backward  # what varlen_attn's own backward calls
@@ -129,10 +130,8 @@ class _Group:
 
 def _ranges(start: torch.Tensor, length: torch.Tensor, rows: int, device) -> torch.Tensor | None:
     """Concatenated ``[start, start + length)`` ranges; ``None`` when they are just ``0..rows``."""
-    total = int(length.sum())
-    first = torch.cumsum(length, 0) - length
-    index = torch.repeat_interleave(start - first, length) + torch.arange(total)
-    if total == rows and torch.equal(index, torch.arange(rows)):
+    index = expand(start, length)
+    if index.numel() == rows and torch.equal(index, torch.arange(rows)):
         return None
     return index.to(device)
 

@@ -30,3 +30,23 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, 
     new_out, new_lse = merge(acc_out[rows], acc_lse[:, rows], out, lse)
     acc_out[rows] = new_out
     acc_lse[:, rows] = new_lse
+
+
+def merge_rows(rows: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, num_rows: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """N-way LSE merge of partial results ``out [P, H, D]``, ``lse [P, H]`` landing on
+    ``rows [P]`` (repeats allowed) -> ``out [num_rows, H, D]``, ``lse [num_rows, H]`` in fp32
+    (fp64 stays fp64). Rows no part lands on get 0 and -inf; never NaN."""
+    dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
+    lse = lse.to(dtype)
+    h = lse.shape[1]
+    peak = torch.full((num_rows, h), float("-inf"), dtype=dtype, device=out.device)
+    peak.scatter_reduce_(0, rows[:, None].expand(-1, h), lse, "amax")
+    peak = peak.nan_to_num(neginf=0.0)  # rows/heads without a finite part: weight exp(-inf) = 0
+    weight = torch.exp(lse - peak[rows])
+    total = torch.zeros_like(peak).index_add_(0, rows, weight)
+    merged_lse = peak + torch.log(total)  # log(0) = -inf where nothing landed
+    weight = (weight / total.clamp(min=torch.finfo(dtype).tiny)[rows]).unsqueeze(-1)
+    merged = torch.zeros(num_rows, h, out.shape[-1], dtype=dtype, device=out.device)
+    merged.index_add_(0, rows, out.to(dtype) * weight)
+    return merged, merged_lse

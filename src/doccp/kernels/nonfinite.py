@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from doccp.kernels.slices import Slices
-from doccp.layout import repeat_interleave
 from doccp.masks import Mask
+from doccp.ranges import repeat
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:
@@ -37,7 +37,7 @@ def poison(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     bad_kv = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [Tk, Hkv]
     seen_bad = torch.cat([bad_kv.new_zeros(1, hkv, dtype=torch.int64), bad_kv.long().cumsum(0)])
     heights = (slices.q_end - slices.q_start).clamp(min=0)
-    which = repeat_interleave(torch.arange(len(slices)), heights)
+    which = repeat(torch.arange(len(slices)), heights)
     within = torch.arange(which.numel()) - (torch.cumsum(heights, 0) - heights)[which]
     row = slices.q_start[which] + within
     # keys of the slice that row `within` sees: document positions [pos - left, pos + right]

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from doccp.layout import expand_ranges, repeat_interleave
 from doccp.masks import Mask
+from doccp.ranges import expand, repeat
 
 FIELDS = ("q_start", "q_end", "k_start", "k_end", "q_pos0", "k_pos0")
 
@@ -61,20 +61,6 @@ class Slices:
     def rows(self) -> list[tuple[int, int, int, int, int, int]]:
         return list(zip(*(getattr(self, f).tolist() for f in FIELDS), strict=True))
 
-    def pairs(self, mask: Mask) -> torch.Tensor:
-        """Visible (query, key) pairs of each slice."""
-        return mask.pairs(self.q_pos0, self.q_pos0 + self.q_end - self.q_start,
-                          self.k_pos0, self.k_pos0 + self.k_end - self.k_start)
-
-    def validate(self, q_rows: int, k_rows: int) -> None:
-        """Raise if any slice reaches outside the buffers."""
-        bad = ((self.q_start < 0) | (self.q_end > q_rows) | (self.q_end < self.q_start)
-               | (self.k_start < 0) | (self.k_end > k_rows) | (self.k_end < self.k_start))
-        if bad.any():
-            i = int(bad.nonzero()[0])
-            raise ValueError(f"slice {i} {self.select(slice(i, i + 1)).rows()[0]} lies outside the "
-                             f"buffers (q has {q_rows} rows, k/v have {k_rows})")
-
 
 def doc_slices(cu_seqlens: torch.Tensor) -> Slices:
     """One slice per non-empty document of a packed stream: the single-device case."""
@@ -101,8 +87,8 @@ def pair_slices(q_doc: torch.Tensor, q_row: torch.Tensor, q_pos: torch.Tensor, q
     k_doc, k_row, k_pos, k_len = k_doc[order], k_row[order], k_pos[order], k_len[order]
     first = torch.searchsorted(k_doc, q_doc, right=False)
     count = torch.searchsorted(k_doc, q_doc, right=True) - first
-    qi = repeat_interleave(torch.arange(q_doc.numel()), count)
-    ki = expand_ranges(first, count)
+    qi = repeat(torch.arange(q_doc.numel()), count)
+    ki = expand(first, count)
     qp0, qp1 = q_pos[qi], q_pos[qi] + q_len[qi]
     kp0, kp1 = k_pos[ki], k_pos[ki] + k_len[ki]
     # keys some query can see, and queries that can see some key
@@ -115,3 +101,19 @@ def pair_slices(q_doc: torch.Tensor, q_row: torch.Tensor, q_pos: torch.Tensor, q
     q0 = q_row[qi] + (qlo - q_pos[qi])
     k0 = k_row[ki] + (lo - k_pos[ki])
     return Slices(q0, q0 + (qhi - qlo), k0, k0 + (hi - lo), qlo, lo)
+
+
+def trim(slices: Slices, mask: Mask) -> Slices:
+    """Shrink every slice to the query rows that see some key and the keys some row sees;
+    drop empty slices. Afterwards every row of a slice sees at least one of its keys, so no
+    kernel call has an empty row (the cpu kernel would report lse 0 there, flash +inf)."""
+    m, n = slices.q_end - slices.q_start, slices.k_end - slices.k_start
+    qp, kp = slices.q_pos0, slices.k_pos0
+    k_lo = torch.maximum(kp, qp - mask.left_bound)
+    k_hi = torch.minimum(kp + n, qp + m + mask.right_bound)
+    q_lo = torch.maximum(qp, kp - mask.right_bound)
+    q_hi = torch.minimum(qp + m, kp + n + mask.left_bound)
+    keep = (k_hi > k_lo) & (q_hi > q_lo)
+    qs, ks = slices.q_start + (q_lo - qp), slices.k_start + (k_lo - kp)
+    out = Slices(qs, qs + (q_hi - q_lo), ks, ks + (k_hi - k_lo), q_lo, k_lo)
+    return out if bool(keep.all()) else out.select(keep)

@@ -3,27 +3,34 @@
 A plan lists, for each CP rank, ordered pieces ``(doc, start, end)``; the rank's local
 tokens are its pieces concatenated. Everything else follows from the pieces: gather
 indices, RoPE positions, per-rank work, and which remote KV each rank needs.
+
+Host cost: every rank plans every batch, so a plan is stored in stream order (the pieces
+tile the stream; see :mod:`doccp.plan.pieces`) and one rank's view is one filter of that
+table, O(pieces). The rank-ordered table (:attr:`Plan.all_pieces`) is one stable sort,
+built only when something needs every rank at once.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
-from doccp.layout import DocLayout, expand_ranges, repeat_interleave
+from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan.balanced import balanced
-from doccp.plan.exchange import Intervals, kv_exchange
+from doccp.plan.exchange import Intervals, kv_exchange, visible_intervals
 from doccp.plan.head_tail import head_tail
 from doccp.plan.pieces import Pieces, cut_stream, even_sizes
+from doccp.ranges import expand, repeat
 
 __all__ = ["Plan", "PlanStats", "plan", "STRATEGIES", "Pieces", "Intervals"]
 
 TILE = 128
+#: Most ranks a plan is made for (per-rank tables are allocated up front).
+MAX_WORLD_SIZE = 1 << 16
 
 
 def contiguous(layout: DocLayout, world_size: int, mask: Mask | None = None) -> Pieces:
@@ -40,23 +47,35 @@ def plan(layout: DocLayout, world_size: int, mask: Mask | None = None,
     """Assign every token of ``layout`` to one of ``world_size`` ranks.
 
     Strategies: ``"contiguous"`` (baseline), ``"head_tail"`` (every document in 2N chunks)
-    and ``"balanced"`` (cost-aware, keeps short documents whole). All give equal token
-    counts per rank (within one), zero padding, every token exactly once.
+    and ``"balanced"`` (balanced work, short documents whole, little KV to exchange). All
+    give equal token counts per rank (within one), zero padding, every token exactly once.
     """
     if not isinstance(layout, DocLayout):
         raise TypeError(f"layout must be a doccp.DocLayout, got {type(layout).__name__}; "
                         "build one with DocLayout.from_lengths / from_cu_seqlens")
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size must be in [1, {MAX_WORLD_SIZE}], got {world_size}")
     mask = Mask.causal() if mask is None else mask
     if not isinstance(mask, Mask):
         raise TypeError(f"mask must be a doccp.Mask, got {type(mask).__name__}")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
-    pieces = STRATEGIES[strategy](layout, world_size, mask).normalized()
+    pieces = STRATEGIES[strategy](layout, world_size, mask).stream_normalized()
+    _check_partition(pieces, layout, strategy)
     return Plan(layout, world_size, mask, strategy, pieces)
+
+
+def _check_partition(p: Pieces, layout: DocLayout, strategy: str) -> None:
+    """Pieces in stream order must tile the stream exactly (O(pieces); guards the strategies)."""
+    g0 = layout.cu_seqlens[p.doc] + p.start
+    g1 = layout.cu_seqlens[p.doc] + p.end
+    ok = len(p) == 0 if layout.num_tokens == 0 else (
+        int(g0[0]) == 0 and int(g1[-1]) == layout.num_tokens and bool((g0[1:] == g1[:-1]).all())
+        and bool((p.end <= layout.lengths[p.doc]).all()))
+    if not ok:
+        raise RuntimeError(f"strategy {strategy!r} did not partition the stream (a bug in doccp.plan)")
 
 
 @dataclass(frozen=True)
@@ -68,7 +87,6 @@ class PlanStats:
     pieces: list[int]
     kv_recv: list[int]
     tile_work: list[int]
-    padding: int
     imbalance: float
     tile_imbalance: float
     total_work: int
@@ -88,36 +106,68 @@ class PlanStats:
         mean = max(self.total_work / len(self.tokens), 1)
         for r, (t, w, p, kv) in enumerate(zip(self.tokens, self.work, self.pieces, self.kv_recv, strict=True)):
             rows.append(f"{r:>4} {t:>8} {w:>14,} {w / mean:>9.3f} {p:>6} {kv:>8}")
-        rows.append(f"imbalance (max/mean work) {self.imbalance:.4f}   padding {self.padding}   "
+        rows.append(f"imbalance (max/mean work) {self.imbalance:.4f}   "
                     f"max KV received {self.max_kv_fraction:.1%} of an all-gather")
         return "\n".join(rows)
 
 
-@dataclass(frozen=True, eq=False)
 class Plan:
-    """Pieces per rank for one layout (see :func:`plan`). Immutable; derived data is cached."""
+    """Pieces per rank for one layout (see :func:`plan`). Immutable; derived data is cached.
 
-    layout: DocLayout
-    world_size: int
-    mask: Mask
-    strategy: str
-    all_pieces: Pieces
+    ``stream_pieces`` are the plan's pieces in stream order (normalised: touching pieces of
+    one rank merged); :attr:`all_pieces` the same pieces in rank order.
+    """
 
-    def __post_init__(self) -> None:
-        counts = torch.bincount(self.all_pieces.rank, minlength=self.world_size)
-        object.__setattr__(self, "_offsets", torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]))
+    def __init__(self, layout: DocLayout, world_size: int, mask: Mask, strategy: str, stream_pieces: Pieces):
+        self.layout, self.world_size, self.mask, self.strategy = layout, world_size, mask, strategy
+        self.stream_pieces = stream_pieces
+        self._ranks: dict[int, Pieces] = {}
+        self._masked: dict[Mask, Plan] = {}
+
+    def with_mask(self, mask: Mask) -> Plan:
+        """The same pieces under another mask, built once per mask: the pieces decide who holds
+        which tokens, the mask who sees what, so one batch plan serves every layer of a model
+        that mixes masks (sliding-window and full layers); its schedules are cached per mask."""
+        if mask == self.mask:
+            return self
+        if mask not in self._masked:
+            self._masked[mask] = Plan(self.layout, self.world_size, mask, self.strategy, self.stream_pieces)
+        return self._masked[mask]
 
     # -- per rank ------------------------------------------------------------------------
-    def _check_rank(self, rank: int) -> None:
+    def check_rank(self, rank: int) -> None:
+        """Raise ``TypeError``/``ValueError`` unless ``rank`` is a rank of this plan."""
         if isinstance(rank, bool) or not isinstance(rank, int):
             raise TypeError(f"rank must be an int, got {type(rank).__name__}")
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}) for this plan, got {rank}")
 
     def rank_pieces(self, rank: int) -> Pieces:
-        self._check_rank(rank)
-        a, b = int(self._offsets[rank]), int(self._offsets[rank + 1])
-        return self.all_pieces.select(slice(a, b))
+        """Pieces of ``rank`` ordered by (doc, start). The first rank asked filters the stream
+        table (O(pieces)); once a second rank asks, the rank-ordered table is built and every
+        rank is a slice of it."""
+        self.check_rank(rank)
+        if rank not in self._ranks:
+            if "all_pieces" in self.__dict__ or self._ranks:
+                a, b = self._rank_bounds[rank], self._rank_bounds[rank + 1]
+                self._ranks[rank] = self.all_pieces.select(slice(a, b))
+            else:
+                self._ranks[rank] = self.stream_pieces.select(self.stream_pieces.rank == rank)
+        return self._ranks[rank]
+
+    @cached_property
+    def all_pieces(self) -> Pieces:
+        """Every rank's pieces, ordered by (rank, doc, start)."""
+        return self.stream_pieces.select(self._rank_order)
+
+    @cached_property
+    def _rank_order(self) -> torch.Tensor:
+        return torch.argsort(self.stream_pieces.rank.to(torch.int32), stable=True)
+
+    @cached_property
+    def _rank_bounds(self) -> list[int]:
+        counts = torch.bincount(self.stream_pieces.rank, minlength=self.world_size)
+        return [0, *torch.cumsum(counts, 0).tolist()]
 
     def pieces(self, rank: int) -> list[tuple[int, int, int]]:
         """Ordered ``(doc, start, end)`` pieces of ``rank``."""
@@ -126,40 +176,23 @@ class Plan:
 
     def indices(self, rank: int) -> torch.Tensor:
         """Global stream index of each local token of ``rank``, in local order (int64)."""
-        self._check_rank(rank)
-        return self._stream_order[self._token_offsets[rank]:self._token_offsets[rank + 1]].clone()
-
-    @cached_property
-    def _stream_order(self) -> torch.Tensor:
-        """The indices of every rank, rank after rank: one pass over the stream for all ranks
-        (callers usually want them all: unshard, the demo, every rank's loader)."""
-        p = self.all_pieces
-        return expand_ranges(self.layout.cu_seqlens[p.doc] + p.start, p.length)
-
-    @cached_property
-    def _token_offsets(self) -> list[int]:
-        return list(itertools.accumulate(self.local_sizes, initial=0))
+        p = self.rank_pieces(rank)
+        return expand(self.layout.cu_seqlens[p.doc] + p.start, p.length)
 
     def positions(self, rank: int) -> torch.Tensor:
         """Document-relative position of each local token (for RoPE), int64."""
         p = self.rank_pieces(rank)
-        return expand_ranges(p.start, p.length)
+        return expand(p.start, p.length)
 
     def doc_ids(self, rank: int) -> torch.Tensor:
         p = self.rank_pieces(rank)
-        return repeat_interleave(p.doc, p.length)
+        return repeat(p.doc, p.length)
 
     @cached_property
     def local_sizes(self) -> list[int]:
         """Number of local tokens on each rank."""
-        return torch.zeros(self.world_size, dtype=torch.int64).index_add_(
-            0, self.all_pieces.rank, self.all_pieces.length).tolist()
-
-    # -- communication -------------------------------------------------------------------
-    @cached_property
-    def exchange(self) -> Intervals:
-        """The minimal KV exchange: ``(dst, src, doc, start, end)`` rows (see plan.exchange)."""
-        return kv_exchange(self.all_pieces, self.layout.lengths, self.mask)
+        p = self.stream_pieces
+        return torch.zeros(self.world_size, dtype=torch.int64).index_add_(0, p.rank, p.length).tolist()
 
     def local_offsets(self, rank: int) -> Pieces:
         """Pieces of ``rank`` with ``start`` replaced by the local row of the piece's first token
@@ -168,10 +201,31 @@ class Plan:
         rows = torch.cumsum(p.length, 0) - p.length
         return Pieces(p.rank, p.doc, rows, p.start)
 
+    # -- communication -------------------------------------------------------------------
+    @cached_property
+    def seen(self) -> Pieces:
+        """Key intervals each rank's queries see, merged per (rank, doc), in rank order."""
+        return visible_intervals(self.all_pieces, self.layout.lengths, self.mask)
+
+    @cached_property
+    def kv_received(self) -> list[int]:
+        """KV tokens each rank receives under the minimal exchange: what its queries see that
+        it does not hold (its own tokens are always seen: the mask keeps the diagonal)."""
+        s = self.seen
+        seen = torch.zeros(self.world_size, dtype=torch.int64).index_add_(0, s.rank, s.length)
+        return (seen - torch.tensor(self.local_sizes, dtype=torch.int64)).tolist()
+
+    @cached_property
+    def exchange(self) -> Intervals:
+        """The minimal KV exchange: ``(dst, src, doc, start, end)`` rows (see plan.exchange).
+        Every (receiver, sender) pair: O(N x pieces) rows for head_tail; the schedules and
+        :meth:`stats` never build it."""
+        return kv_exchange(self.stream_pieces, self.seen, self.layout)
+
     # -- statistics ----------------------------------------------------------------------
     def stats(self) -> PlanStats:
         """Per-rank tokens, work (mask pairs), imbalance, pieces, KV to receive, tile work."""
-        p, n = self.all_pieces, self.world_size
+        p, n = self.stream_pieces, self.world_size
         lengths = self.layout.lengths[p.doc]
         work = torch.zeros(n, dtype=torch.int64).index_add_(0, p.rank, self.mask.pairs(p.start, p.end, 0, lengths))
         tiles = torch.zeros(n, dtype=torch.int64).index_add_(0, p.rank, _tile_counts(p, lengths, self.mask))
@@ -182,9 +236,8 @@ class Plan:
             tokens=self.local_sizes,
             work=work.tolist(),
             pieces=torch.bincount(p.rank, minlength=n).tolist(),
-            kv_recv=self.exchange.tokens_received(n).tolist(),
+            kv_recv=self.kv_received,
             tile_work=(tiles * TILE * TILE).tolist(),
-            padding=sum(self.local_sizes) - self.layout.num_tokens,
             imbalance=float(work.max()) / mean if mean > 0 else 1.0,
             tile_imbalance=float(tiles.max()) / tile_mean if tile_mean > 0 else 1.0,
             total_work=total,
@@ -200,8 +253,8 @@ def _tile_counts(p: Pieces, doc_len: torch.Tensor, mask: Mask) -> torch.Tensor:
     """128x128 tiles touched by each piece's queries against its document's keys (key tiles
     aligned to document position 0, query tiles to the piece start): a fragmentation proxy."""
     n_tiles = (p.length + TILE - 1) // TILE
-    piece = repeat_interleave(torch.arange(len(p)), n_tiles)
-    first = expand_ranges(torch.zeros(len(p), dtype=torch.int64), n_tiles)
+    piece = repeat(torch.arange(len(p)), n_tiles)
+    first = expand(torch.zeros(len(p), dtype=torch.int64), n_tiles)
     q0 = p.start[piece] + first * TILE
     q1 = torch.minimum(q0 + TILE, p.end[piece])
     lo, hi = mask.visible_keys(q0, q1, doc_len[piece])

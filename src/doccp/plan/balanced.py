@@ -1,186 +1,173 @@
-"""``balanced``: keep short documents whole, split only what balance requires.
+"""``balanced``: equal tokens and work per rank, little KV to exchange, short documents whole.
 
 Every rank must end with the same number of tokens (within one) *and* the same attention
-work (mask pairs). Work per token grows with a token's position in its document, so a
-split document is a dial: its early tokens are cheap, its late tokens expensive. The
-planner spends that dial on the largest document, the *absorber* (or the 2, 4, 8
-largest when one cannot reach a max/mean work of 1.004), to fix whatever the cheap
-whole-document packing could not::
+work (mask pairs, max/mean <= 1.01). A rank receives KV only for documents it holds part of,
+and for a causal mask a piece ``[a, b)`` needs exactly its prefix ``[0, a)``; so the plan cuts
+few documents, into contiguous runs whose later parts start early::
 
-    1. split     docs too big to keep whole      ->  head-tail over all ranks (equal shares)
-    2. pack      the rest, largest work first    ->  whole, onto the least-loaded rank
-                                                     with token room
-    3. spill     docs that fit nowhere whole     ->  cut over the ranks' remaining room
-    4. absorb    the largest doc(s)              ->  each rank takes a head piece and a
-                                                     tail piece sized to hit the exact
-                                                     token count and the mean work
+    1. cut     docs too big for one rank (tokens or work)  ->  contiguous parts, cut from the
+               end so the late (expensive, KV-hungry) parts are as long as a rank allows
+    2. pack    whole docs and parts, largest work first     ->  onto the least-loaded rank
+               with token room (LPT)
+    3. chain   order the ranks so their token surpluses cancel, lay their items out in that
+               order (small documents at both ends of each rank's run) and cut the result
+               into exact token counts: a rank over by k tokens hands its neighbour the
+               first k tokens of its last small document, and that neighbour receives k
 
-    absorber of 16 tokens (causal: position i costs i + 1 pairs); the ranks still need
-    (tokens, work) = (6, 40), (5, 60), (5, 36):
-    position  0 1 2 3 4 5 6 7 8 9 A B C D E F
-    rank      1 0 0 0 2 2 2 2 2 0 0 0 1 1 1 1      ->  work 42, 59, 35
+    ranks after packing (tokens, target 10):  r0 = 12   r1 = 7    r2 = 11
+    chain r0 r1 r2, cut at 10 and 20:        |a a a a a a a a a b|b b b b b b c c c c|c c c c c c c c c c|
+    r0 hands 2 tokens of its last doc to r1 (r1 receives 1 KV row), r1 takes 1 of r2's first doc.
 
-Ranks are served most-extreme-need first, choosing the head/tail split whose work is
-closest to the need; the most typical rank takes what is left in the middle. Short
-documents stay whole, so they cost no KV exchange and no kernel fragmentation.
+Several split thresholds are tried (a document is cut when it needs more than that share of a
+rank); the plan with balanced work (max/mean <= 1.01) that receives the least KV wins, ties
+to fewer pieces. Layouts no threshold can balance (one document much longer than a rank)
+fall back to :mod:`doccp.plan.absorb`, which fixes every rank's work exactly.
 """
 
 from __future__ import annotations
+
+import heapq
 
 import torch
 
 from doccp.layout import DocLayout
 from doccp.masks import Mask
-from doccp.plan.head_tail import head_tail_docs
+from doccp.plan.absorb import absorb
+from doccp.plan.exchange import visible_intervals
 from doccp.plan.pieces import Pieces, cut_stream, even_sizes
 
-#: A document is split when it needs more than this share of one rank's tokens or work.
-SPLIT_SHARE = 0.5
+#: Split thresholds tried, as a share of one rank's tokens and work.
+SHARES = (1.0,)
+#: Work imbalance (max/mean) a plan must reach.
+TOLERANCE = 1.01
 
 
 def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
-    n = world_size
-    lengths = layout.lengths
+    n, lengths = world_size, layout.lengths
     if n == 1 or layout.num_tokens == 0:
         return Pieces.of(0, torch.arange(layout.num_docs), 0, lengths)
     work = mask.pairs(0, lengths, 0, lengths)
-    by_length = torch.argsort(lengths, descending=True, stable=True)
-    best, best_spread = None, float("inf")
-    for count in ABSORBERS:
-        pieces, loads = _balanced_with(layout, n, mask, work, by_length[: min(count, layout.num_docs)])
-        spread = float(loads.max()) / max(float(loads.double().mean()), 1.0)
-        if spread < best_spread:
-            best, best_spread = pieces, spread
-        if spread <= GOOD_ENOUGH or count >= layout.num_docs:
-            break
-    return best
+    candidates = [_chained(layout, n, mask, work, share) for share in SHARES]
+    scores = [_score(p, layout, n, mask) for p in candidates]
+    if all(unbalanced for unbalanced, *_ in scores):  # no threshold balanced the work
+        candidates.append(absorb(layout, n, mask, work))
+        scores.append(_score(candidates[-1], layout, n, mask))
+    return candidates[min(range(len(scores)), key=scores.__getitem__)]
 
 
-#: How many absorbers to try, in order, until the work spread is GOOD_ENOUGH (max/mean).
-ABSORBERS = (1, 2, 4, 8)
-GOOD_ENOUGH = 1.004
-
-
-def _balanced_with(layout: DocLayout, n: int, mask: Mask, work: torch.Tensor,
-                   absorbers: torch.Tensor) -> tuple[Pieces, torch.Tensor]:
+def _score(pieces: Pieces, layout: DocLayout, n: int, mask: Mask) -> tuple[bool, int, int]:
+    """(unbalanced, max KV received, pieces): what the planner minimises, in that order."""
+    p = pieces.normalized()
     lengths = layout.lengths
-    target_tokens = even_sizes(layout.num_tokens, n)
-    target_work = float(work.sum()) / n
-    capacity = layout.num_tokens / n
+    work = torch.zeros(n, dtype=torch.float64).index_add_(
+        0, p.rank, mask.pairs(p.start, p.end, 0, lengths[p.doc]).double())
+    seen = visible_intervals(p, lengths, mask)
+    kv = torch.zeros(n, dtype=torch.int64).index_add_(0, seen.rank, seen.length).index_add_(0, p.rank, -p.length)
+    unbalanced = float(work.max()) > TOLERANCE * float(work.mean())
+    return unbalanced, int(kv.max()), len(p)
 
-    is_split = (lengths > SPLIT_SHARE * capacity) | (work.double() > SPLIT_SHARE * target_work)
-    is_split[absorbers] = False
-    split_pieces, _ = head_tail_docs(lengths, torch.nonzero(is_split).flatten(), n, cursor=0)
-    tokens = torch.zeros(n, dtype=torch.int64).index_add_(0, split_pieces.rank, split_pieces.length)
-    loads = torch.zeros(n, dtype=torch.int64).index_add_(
-        0, split_pieces.rank, _piece_work(split_pieces, lengths, mask))
 
-    # Reserve each rank a share of every absorber, so every rank can still be corrected.
-    available = (target_tokens - tokens).clamp(min=0)
-    reserves = []
-    for doc in absorbers.tolist():
-        reserves.append(_apportion(int(lengths[doc]), available))
-        available = available - reserves[-1]
-    is_split[absorbers] = True  # not packed whole
-    room, load = available.tolist(), loads.tolist()
-    placed, spill = _pack_whole(lengths, work, is_split, room, load, target_work, capacity)
-    whole_docs = torch.tensor([d for d, _ in placed], dtype=torch.int64)
-    whole_pieces = Pieces.of(torch.tensor([r for _, r in placed], dtype=torch.int64),
-                             whole_docs, 0, lengths[whole_docs])
-    spill_pieces = _spill(layout, torch.tensor(spill, dtype=torch.int64), torch.tensor(room))
-    loads = torch.tensor(load, dtype=torch.int64).index_add_(
-        0, spill_pieces.rank, _piece_work(spill_pieces, lengths, mask))
+def _chained(layout: DocLayout, n: int, mask: Mask, work: torch.Tensor, share: float) -> Pieces:
+    lengths = layout.lengths
+    targets = even_sizes(layout.num_tokens, n)
+    mean_tokens, mean_work = layout.num_tokens / n, float(work.sum()) / n
+    split = (lengths > share * mean_tokens) | (work.double() > share * mean_work)
+    docs = torch.arange(lengths.numel())
+    parts = _cut_parts(docs[split], lengths[split], mask, max(int(share * mean_tokens), 1), share * mean_work)
+    whole = docs[~split & (lengths > 0)]
+    items = Pieces.cat([Pieces.of(-1, whole, 0, lengths[whole]), parts])
+    item_work = mask.pairs(items.start, items.end, 0, lengths[items.doc])
+    rank = _pack(items.length.tolist(), item_work.tolist(), int(targets[-1]), n)
+    return _cut_chain(items, rank, targets, n)
 
-    # Absorbers, largest first: each aims at the remaining need minus what the later ones
-    # will contribute at their mean cost per token.
-    mean_cost = [float(work[d]) / max(int(lengths[d]), 1) for d in absorbers.tolist()]
+
+def _cut_parts(docs: torch.Tensor, lengths: torch.Tensor, mask: Mask, max_tokens: int,
+               max_work: float) -> Pieces:
+    """Cut each document into contiguous parts from its end: every part as long as it can be
+    with at most ``max_tokens`` tokens and ``max_work`` pairs (at least one token), so the
+    late parts, whose holders receive the longest prefixes, start as early as possible."""
     parts = []
-    for i, doc in enumerate(absorbers.tolist()):
-        later = sum((reserves[j].double() * mean_cost[j] for j in range(i + 1, len(reserves))),
-                    torch.zeros(n, dtype=torch.float64))
-        piece = _absorb(doc, int(lengths[doc]), reserves[i], target_work - loads.double() - later, mask)
-        loads = loads.index_add_(0, piece.rank, _piece_work(piece, lengths, mask))
-        parts.append(piece)
-    return Pieces.cat([split_pieces, whole_pieces, spill_pieces, *parts]), loads
+    end = lengths.clone()
+    while docs.numel():
+        lo = (end - max_tokens).clamp(min=0)  # the longest part allowed by tokens ...
+        hi = end - 1  # ... and the shortest: one token
+        # binary search: the smallest start in [lo, hi] whose part fits the work budget
+        while True:
+            open_ = lo < hi
+            if not bool(open_.any()):
+                break
+            mid = (lo + hi) // 2
+            fits = mask.pairs(mid, end, 0, lengths).double() <= max_work
+            hi = torch.where(open_ & fits, mid, hi)
+            lo = torch.where(open_ & ~fits, mid + 1, lo)
+        parts.append(Pieces.of(-1, docs, lo, end))
+        more = lo > 0
+        docs, lengths, end = docs[more], lengths[more], lo[more]
+    return Pieces.cat(parts)
 
 
-def _piece_work(p: Pieces, lengths: torch.Tensor, mask: Mask) -> torch.Tensor:
-    return mask.pairs(p.start, p.end, 0, lengths[p.doc])
-
-
-def _apportion(total: int, weights: torch.Tensor) -> torch.Tensor:
-    """Split ``total`` into integers proportional to ``weights`` (largest remainders)."""
-    if total == 0 or int(weights.sum()) == 0:
-        return even_sizes(total, weights.numel())
-    exact = weights.double() * total / float(weights.sum())
-    share = exact.floor().long()
-    short = total - int(share.sum())
-    if short:
-        share[torch.argsort(exact - share.double(), descending=True)[:short]] += 1
-    return share
-
-
-def _pack_whole(lengths, work, is_split, room, load, target_work, capacity):
-    """Greedy: documents by decreasing work, each to the rank that is lightest in tokens and
-    work together (normalised) among those with room for it; returns (doc, rank) pairs and
-    the documents that fit nowhere."""
-    n = len(room)
-    docs = torch.nonzero(~is_split & (lengths > 0)).flatten()
-    order = docs[torch.argsort(work[docs] * (1 << 20) + lengths[docs], descending=True, stable=True)]
-    lens, works = lengths[order].tolist(), work[order].tolist()
-    used = [0] * n
-    tw, tc = max(target_work, 1.0), max(capacity, 1.0)
-    placed, spill = [], []
-    for doc, length, w in zip(order.tolist(), lens, works, strict=True):
-        best, best_score = -1, 0.0
-        for r in range(n):
-            if room[r] - used[r] >= length:
-                score = load[r] / tw + used[r] / tc
-                if best < 0 or score < best_score:
-                    best, best_score = r, score
-        if best < 0:
-            spill.append(doc)
-            continue
-        used[best] += length
-        load[best] += w
-        placed.append((doc, best))
-    for r in range(n):
-        room[r] -= used[r]
-    return placed, spill
-
-
-def _spill(layout: DocLayout, docs: torch.Tensor, room: torch.Tensor) -> Pieces:
-    """Cut the documents that fit nowhere whole over the ranks' remaining room, in order."""
-    if docs.numel() == 0:
-        return Pieces.empty()
-    lengths = layout.lengths[docs]
-    sub = cut_stream(torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)]), room)
-    return Pieces(sub.rank, docs[sub.doc], sub.start, sub.end)
-
-
-def _absorb(doc: int, length: int, tokens: torch.Tensor, need: torch.Tensor, mask: Mask) -> Pieces:
-    """Give rank r ``tokens[r]`` tokens of the absorber, a head piece and a tail piece, with
-    work as close to ``need[r]`` as the document allows."""
-    if length == 0:
-        return Pieces.empty()
-    prefix = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(mask.row_costs(length), 0)])
-    active = [r for r in range(tokens.numel()) if int(tokens[r]) > 0]
-    ratio = {r: float(need[r]) / int(tokens[r]) for r in active}
-    mean = sum(ratio.values()) / len(ratio)
-    order = sorted(active, key=lambda r: abs(ratio[r] - mean), reverse=True)
-    lo, hi = 0, length
-    ranks, starts, ends = [], [], []
-    for i, r in enumerate(order):
-        count = int(tokens[r])
-        if i == len(order) - 1:
-            head = hi - lo  # the most typical rank takes the middle
+def _pack(tokens: list[int], work: list[int], room: int, n: int) -> list[int]:
+    """Largest work first, each item onto the least-loaded rank with token room for it (a
+    heap of ranks by work: O(items log N)); an item no rank has room for goes to the rank
+    with the most room. Returns the rank of every item."""
+    order = sorted(range(len(tokens)), key=lambda i: (-work[i], -tokens[i]))
+    free, load = [room] * n, [0] * n
+    heap = [(0, r) for r in range(n)]  # ranks with room left, by work
+    rank = [0] * len(tokens)
+    for i in order:
+        skipped = []
+        while heap and free[heap[0][1]] < tokens[i]:
+            skipped.append(heapq.heappop(heap))
+        if heap:
+            r = heapq.heappop(heap)[1]
         else:
-            h = torch.arange(count + 1)
-            got = (prefix[lo + h] - prefix[lo]) + (prefix[hi] - prefix[hi - (count - h)])
-            head = int(torch.argmin((got.double() - float(need[r])).abs()))
-        tail = count - head
-        ranks += [r, r]
-        starts += [lo, hi - tail]
-        ends += [lo + head, hi]
-        lo, hi = lo + head, hi - tail
-    return Pieces.of(torch.tensor(ranks), doc, torch.tensor(starts), torch.tensor(ends))
+            r = max(range(n), key=free.__getitem__)
+            skipped = [entry for entry in skipped if entry[1] != r]
+        rank[i] = r
+        free[r] -= tokens[i]
+        load[r] += work[i]
+        if free[r] > 0:
+            heapq.heappush(heap, (load[r], r))
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+    return rank
+
+
+def _cut_chain(items: Pieces, rank: list[int], targets: torch.Tensor, n: int) -> Pieces:
+    """Lay every rank's items out one rank after another (ranks ordered so that token
+    surpluses cancel, each rank's items small-large-small) and cut that sequence into the
+    exact token targets; an item crossing a cut is split between the two neighbours."""
+    rank_t = torch.tensor(rank, dtype=torch.int64)
+    tokens = torch.zeros(n, dtype=torch.int64).index_add_(0, rank_t, items.length)
+    chain = _chain_order((tokens - targets[-1]).tolist())
+    position = torch.empty(n, dtype=torch.int64)
+    position[torch.tensor(chain)] = torch.arange(n)
+    # Within a rank: ascending length, alternately to the front and the back.
+    length = items.length
+    by_size = torch.argsort(position[rank_t] * (int(length.max()) + 1) + length, stable=True)
+    group = position[rank_t][by_size]
+    start_of_group = torch.searchsorted(group, group, right=False)
+    k = torch.arange(group.numel()) - start_of_group  # index within the rank, by size
+    count = torch.bincount(group, minlength=n)[group]
+    slot = torch.where(k % 2 == 0, k // 2, count - 1 - k // 2)
+    order = by_size[torch.argsort(group * group.numel() + slot)]
+    laid = items.select(order)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(laid.length, 0)])
+    cut = cut_stream(cu, targets)  # targets[0] >= targets[-1]: the extra tokens go first
+    item = laid.select(cut.doc)
+    return Pieces(torch.tensor(chain)[cut.rank], item.doc, item.start + cut.start, item.start + cut.end)
+
+
+def _chain_order(surplus: list[int]) -> list[int]:
+    """Ranks in an order whose running token surplus stays near zero: take the largest
+    surplus while the running sum is <= 0, the largest deficit while it is > 0."""
+    ranked = sorted(range(len(surplus)), key=lambda r: surplus[r])
+    lo, hi, running, chain = 0, len(ranked) - 1, 0, []
+    while lo <= hi:
+        if running > 0:
+            r, lo = ranked[lo], lo + 1
+        else:
+            r, hi = ranked[hi], hi - 1
+        chain.append(r)
+        running += surplus[r]
+    return chain

@@ -3,6 +3,10 @@
 For every (rank, document) the keys its queries can see form a few intervals (the union of
 each piece's visible band); whatever part of those intervals another rank holds must be
 received. This is the minimal exchange: documents held whole never appear here.
+
+Everything is interval arithmetic on *global* stream offsets (``cu_seqlens[doc] + pos``):
+a plan's pieces in stream order tile the stream, so the holders of any key interval are one
+contiguous run of that table, found by binary search (:func:`overlaps`).
 """
 
 from __future__ import annotations
@@ -11,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from doccp.layout import repeat_interleave
+from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan.pieces import Pieces
+from doccp.ranges import expand, repeat
 
 
 @dataclass(frozen=True)
@@ -39,41 +44,40 @@ class Intervals:
 
 
 def visible_intervals(pieces: Pieces, lengths: torch.Tensor, mask: Mask) -> Pieces:
-    """Merged key intervals each (rank, doc) can see, as Pieces (rank, doc, lo, hi)."""
+    """Merged key intervals each (rank, doc) can see, as Pieces (rank, doc, lo, hi).
+
+    ``pieces`` must be ordered by (rank, doc, start) (one rank's pieces in stream order
+    qualify): a band's visible range grows with the piece, so the union of one (rank, doc)
+    group is a merge of neighbours, no sort."""
     lo, hi = mask.visible_keys(pieces.start, pieces.end, lengths[pieces.doc])
     return Pieces(pieces.rank, pieces.doc, lo, hi).normalized_union()
 
 
-def kv_exchange(pieces: Pieces, lengths: torch.Tensor, mask: Mask) -> Intervals:
-    """The minimal KV exchange of a plan (see module docstring). Vectorised."""
-    holders = pieces.select(_split_docs(pieces, lengths.numel())[pieces.doc])
-    if len(holders) == 0:
-        z = torch.zeros(0, dtype=torch.int64)
-        return Intervals(z, z, z, z, z)
-    # Holders of each document, ordered by (doc, start): they tile the document.
-    big = int(lengths.max()) + 1
-    order = torch.argsort(holders.doc * big + holders.start)
-    h = holders.select(order)
-    key = h.doc * big + h.start
-    seen = visible_intervals(holders, lengths, mask)
-    # Holder pieces overlapping each visible interval form a contiguous run in `h`.
-    first = torch.searchsorted(key, seen.doc * big + seen.start, right=True) - 1
-    last = torch.searchsorted(key, seen.doc * big + seen.end, right=False)
-    count = (last - first).clamp(min=0)
+def overlaps(lo: torch.Tensor, hi: torch.Tensor, table_lo: torch.Tensor, table_hi: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every overlap of intervals ``[lo, hi)`` with the sorted, disjoint intervals of a table:
+    ``(i, j, start, end)`` rows, ordered by ``i`` then ``j``. O((queries + rows) log table)."""
+    first = torch.searchsorted(table_hi, lo, right=True)
+    count = (torch.searchsorted(table_lo, hi, right=False) - first).clamp(min=0)
     total = int(count.sum())
-    vi = repeat_interleave(torch.arange(len(seen)), count, total)
-    hi_idx = first[vi] + (torch.arange(total) - (torch.cumsum(count, 0) - count)[vi])
-    start = torch.maximum(seen.start[vi], h.start[hi_idx])
-    end = torch.minimum(seen.end[vi], h.end[hi_idx])
-    out = Intervals(seen.rank[vi], h.rank[hi_idx], seen.doc[vi], start, end)
-    out = out.select((out.end > out.start) & (out.dst != out.src))
-    ranks = int(pieces.rank.max()) + 1
-    sort_key = ((out.dst * ranks + out.src) * lengths.numel() + out.doc) * big + out.start
-    return out.select(torch.argsort(sort_key))
+    i = repeat(torch.arange(lo.numel()), count, total)
+    j = expand(first, count)
+    start = torch.maximum(lo[i], table_lo[j])
+    end = torch.minimum(hi[i], table_hi[j])
+    keep = end > start
+    return i[keep], j[keep], start[keep], end[keep]
 
 
-def _split_docs(pieces: Pieces, num_docs: int) -> torch.Tensor:
-    """Boolean per document: held by more than one rank."""
-    lo = torch.full((num_docs,), 1 << 30, dtype=torch.int64).scatter_reduce(0, pieces.doc, pieces.rank, "amin")
-    hi = torch.full((num_docs,), -1, dtype=torch.int64).scatter_reduce(0, pieces.doc, pieces.rank, "amax")
-    return (hi > lo) & (hi >= 0)
+def kv_exchange(stream: Pieces, seen: Pieces, layout: DocLayout) -> Intervals:
+    """The minimal KV exchange of a plan (see module docstring): every rank's visible keys
+    intersected with the stream's pieces. ``stream``: the plan's pieces in stream order;
+    ``seen``: :func:`visible_intervals` of the plan in rank order."""
+    cu = layout.cu_seqlens
+    base = cu[seen.doc]
+    i, j, start, end = overlaps(base + seen.start, base + seen.end, cu[stream.doc] + stream.start,
+                                cu[stream.doc] + stream.end)
+    out = Intervals(seen.rank[i], stream.rank[j], seen.doc[i], start - base[i], end - base[i])
+    out = out.select(out.dst != out.src)
+    ranks = int(torch.cat([stream.rank, torch.zeros(1, dtype=torch.int64)]).max()) + 1
+    # Rows are ordered by (dst, doc, start); a stable sort by (dst, src) finishes the order.
+    return out.select(torch.argsort(out.dst * ranks + out.src, stable=True))

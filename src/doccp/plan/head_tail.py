@@ -13,6 +13,10 @@ the ``rem`` remainder tokens go one each to ranks ``(cursor + k) % N`` for ``k <
 the rank's head chunk while ``k < N``, to its tail chunk after. ``cursor`` is the number of
 remainder tokens handed out by earlier documents (mod N), so remainders rotate across
 documents and no rank collects one extra token per document.
+
+The pieces are emitted in stream order and only the non-empty chunks are built: a document
+shorter than 2N has ``L`` one-token chunks, not 2N, so the cost is O(pieces), never
+O(documents x N).
 """
 
 from __future__ import annotations
@@ -22,32 +26,36 @@ import torch
 from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan.pieces import Pieces
+from doccp.ranges import expand, repeat
 
 
 def head_tail(layout: DocLayout, world_size: int, mask: Mask | None = None) -> Pieces:
-    return head_tail_docs(layout.lengths, torch.arange(layout.num_docs), world_size, cursor=0)[0]
-
-
-def head_tail_docs(lengths: torch.Tensor, docs: torch.Tensor, n: int, cursor: int) -> tuple[Pieces, int]:
-    """Head-tail pieces for documents ``docs`` of ``lengths``; returns the cursor after them."""
-    lengths = lengths[docs]
-    d = docs.numel()
-    if d == 0:
-        return Pieces.empty(), cursor
+    n, lengths = world_size, layout.lengths
+    if lengths.numel() == 0 or layout.num_tokens == 0:
+        return Pieces.empty()
     base, rem = lengths // (2 * n), lengths % (2 * n)
-    starts = (cursor + torch.cumsum(rem, 0) - rem) % n  # cursor of each document
-    ranks = torch.arange(n)
-    slot = (ranks[None, :] - starts[:, None]) % n  # k of the rank's first extra token
-    head = base[:, None] + (slot < rem[:, None]).long()
-    tail = base[:, None] + (slot + n < rem[:, None]).long()
-    sizes = torch.cat([head, tail.flip(1)], 1)  # chunk c: head of rank c, tail of rank 2N-1-c
-    ends = torch.cumsum(sizes, 1)
-    # Emitted rank by rank, then document, head before tail: the order a plan keeps them in.
-    chunks = torch.stack([ranks, 2 * n - 1 - ranks], 1)  # [N, 2]: each rank's head and tail chunk
-    pieces = Pieces(
-        ranks[:, None, None].expand(n, d, 2).reshape(-1),
-        docs[None, :, None].expand(n, d, 2).reshape(-1),
-        (ends - sizes)[:, chunks].transpose(0, 1).reshape(-1),
-        ends[:, chunks].transpose(0, 1).reshape(-1),
-    )
-    return pieces, int((cursor + rem.sum()) % n)
+    cursor = (torch.cumsum(rem, 0) - rem) % n
+    # Non-empty chunks of each document, ascending: all 2N when base > 0; else the head chunks
+    # of the ranks in the cyclic window [cursor, cursor + min(L, N)) and the tail chunks of the
+    # window [cursor, cursor + L - N), each window as (wrapped part, unwrapped part).
+    short = base == 0
+    h = torch.where(short, torch.clamp(lengths, max=n), 0)
+    m = torch.where(short, (lengths - n).clamp(min=0), 0)
+    zero = torch.zeros_like(lengths)
+    firsts = torch.stack([zero, cursor, 2 * n - torch.clamp(cursor + m, max=n), 3 * n - cursor - m], 1)
+    counts = torch.stack([
+        torch.where(short, (cursor + h - n).clamp(min=0), 2 * n),
+        torch.clamp(cursor + h, max=n) - cursor,
+        torch.clamp(cursor + m, max=n) - cursor,
+        (cursor + m - n).clamp(min=0),
+    ], 1)
+    counts[:, 1:] *= short[:, None]
+    counts[:, 2:] *= (m > 0)[:, None]
+    chunk = expand(firsts.reshape(-1), counts.reshape(-1))
+    doc = repeat(torch.arange(lengths.numel()), counts.sum(1))
+    head = chunk < n
+    rank = torch.where(head, chunk, 2 * n - 1 - chunk)
+    slot = (rank - cursor[doc]) % n
+    size = base[doc] + (torch.where(head, slot, slot + n) < rem[doc]).long()
+    end = torch.cumsum(size, 0) - layout.cu_seqlens[doc]  # the chunks tile the stream
+    return Pieces(rank, doc, end - size, end)

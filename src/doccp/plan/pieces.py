@@ -3,6 +3,11 @@
 A piece is the token range ``[start, end)`` of document ``doc`` (document-relative), held by
 ``rank``. Pieces are stored column-wise as int64 tensors so that strategies and everything
 derived from them (indices, positions, exchange) stay vectorised host work.
+
+A plan's pieces partition the stream, so they can be read in two orders: *stream order*
+(by document, then start: the pieces tile the stream, and a token's owner is one binary
+search away) and *rank order* (by rank, then document and start: what each rank holds).
+Strategies emit either; :meth:`Pieces.stream_normalized` brings them to stream order.
 """
 
 from __future__ import annotations
@@ -44,36 +49,51 @@ class Pieces:
     def __len__(self) -> int:
         return self.rank.numel()
 
-    def select(self, keep: torch.Tensor) -> Pieces:
+    def select(self, keep: torch.Tensor | slice) -> Pieces:
         return Pieces(self.rank[keep], self.doc[keep], self.start[keep], self.end[keep])
 
     def normalized(self) -> Pieces:
         """Drop empty pieces, order by (rank, doc, start) and merge touching neighbours."""
-        return self._merged(overlapping=False)
+        return self._merged(by_rank=True, overlapping=False)
 
     def normalized_union(self) -> Pieces:
         """Like :meth:`normalized`, but ranges may overlap: merge them into their union."""
-        return self._merged(overlapping=True)
+        return self._merged(by_rank=True, overlapping=True)
 
-    def _merged(self, overlapping: bool) -> Pieces:
+    def stream_normalized(self) -> Pieces:
+        """Drop empty pieces, order by (doc, start) and merge touching neighbours of one rank.
+        For the pieces of a plan (a partition of the stream) this is stream order."""
+        return self._merged(by_rank=False, overlapping=False)
+
+    def _merged(self, by_rank: bool, overlapping: bool) -> Pieces:
         p = self.select(self.end > self.start)
         if len(p) == 0:
             return p
         big = int(p.end.max()) + 1
-        key = (p.rank * (int(p.doc.max()) + 1) + p.doc) * big + p.start
-        if not bool((key[1:] >= key[:-1]).all()):  # strategies often emit pieces in order already
-            p = p.select(torch.argsort(key))
-        group_key = p.rank * (int(p.doc.max()) + 1) + p.doc
-        if overlapping:  # running max of `end` within each (rank, doc) group
+        docs = int(p.doc.max()) + 1
+        group_key = p.rank * docs + p.doc if by_rank else p.doc
+        key = group_key * big + p.start
+        if not bool((key[1:] >= key[:-1]).all()):  # strategies usually emit pieces in order already
+            order = torch.argsort(key)
+            p, group_key = p.select(order), group_key[order]
+        if overlapping:  # running max of `end` within each group
             reach = torch.cummax(group_key * big + p.end, 0).values - group_key * big
             touches = p.start[1:] <= reach[:-1]
         else:
             touches = p.start[1:] == p.end[:-1]
         same = (group_key[1:] == group_key[:-1]) & touches
+        if not by_rank:
+            same &= p.rank[1:] == p.rank[:-1]
+        if not bool(same.any()):
+            return p
         first = torch.cat([torch.ones(1, dtype=torch.bool), ~same])
-        group = torch.cumsum(first.long(), 0) - 1
-        end = torch.zeros(int(group[-1]) + 1, dtype=torch.int64).scatter_reduce(
-            0, group, p.end, reduce="amax", include_self=False)
+        if overlapping:
+            group = torch.cumsum(first.long(), 0) - 1
+            end = torch.zeros(int(group[-1]) + 1, dtype=torch.int64).scatter_reduce(
+                0, group, p.end, reduce="amax", include_self=False)
+        else:  # touching runs: the run's end is its last piece's end
+            last = torch.cat([~same, torch.ones(1, dtype=torch.bool)])
+            end = p.end[last]
         q = p.select(first)
         return Pieces(q.rank, q.doc, q.start, end)
 
@@ -81,8 +101,8 @@ class Pieces:
 def cut_stream(cu_seqlens: torch.Tensor, sizes: torch.Tensor) -> Pieces:
     """Cut a packed stream into consecutive ranges of ``sizes[r]`` tokens, range r to rank r.
 
-    The pieces are the intersections of those ranges with the documents; this is the
-    ``contiguous`` strategy and also how other strategies spill documents over ranks.
+    The pieces are the intersections of those ranges with the documents, in stream order;
+    this is the ``contiguous`` strategy.
     """
     bounds = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)])
     cuts = torch.unique(torch.cat([cu_seqlens, bounds]))

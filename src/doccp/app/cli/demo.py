@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 import doccp
 from doccp import launch
+from doccp.algorithms.registry import training
 from doccp.app import demo
 from doccp.app.cli.main import UsageError, check_range
 from doccp.app.cli.progress import Step
@@ -34,7 +35,6 @@ from doccp.layout import MAX_TOKENS
 from doccp.masks import Mask
 from doccp.plan import STRATEGIES
 
-ALGORITHMS = ("allgather", "ring_kv")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="attention mask: causal, full or window:LEFT[,RIGHT] (default: %(default)s)")
     p.add_argument("--strategy", default="balanced", choices=sorted(STRATEGIES),
                    help="plan used for the model runs; the table shows all (default: %(default)s)")
-    p.add_argument("--algorithms", default=",".join(ALGORITHMS), metavar="LIST",
+    p.add_argument("--algorithms", default=",".join(training()), metavar="LIST",
                    help="CP algorithms to check, comma-separated (default: %(default)s)")
     p.add_argument("--decode-tokens", type=int, default=8, metavar="N",
                    help="tokens to generate per document after the CP prefill; 0 skips step 4 (default: %(default)s)")
@@ -88,8 +88,8 @@ def _options(args: argparse.Namespace) -> Options:
         raise UsageError(f"--tokens ({args.tokens}) must be at least --world-size ({args.world_size}): "
                          "every rank needs a token")
     algorithms = tuple(a.strip() for a in args.algorithms.split(",") if a.strip())
-    if not algorithms or any(a not in ALGORITHMS for a in algorithms):
-        raise UsageError(f"--algorithms must list some of {', '.join(ALGORITHMS)}, got {args.algorithms!r}")
+    if not algorithms or any(a not in training() for a in algorithms):
+        raise UsageError(f"--algorithms must list some of {', '.join(training())}, got {args.algorithms!r}")
     try:
         mask = Mask.parse(args.mask)
     except ValueError as e:

@@ -1,9 +1,11 @@
-"""Runs: where KV rows of a sequence sit and which positions they hold, a few rows per turn.
+"""Runs: which document positions a buffer's rows hold, a few rows per entry.
 
 A *run* is ``length`` consecutive buffer rows holding document positions ``pos, pos + stride,
-pos + 2*stride, ...``. Prefill chunks are runs of stride 1 (the training *segments*); the
-tokens a rank receives during decode are one run of stride N, because the round-robin hands
-every N-th token of a sequence to the same rank::
+pos + 2*stride, ...``. Every CP algorithm describes its buffers this way: a rank's local
+tokens (its plan pieces), the KV it received or holds in a cache, a block travelling the ring
+are runs of stride 1, and :meth:`Runs.slices_against` pairs query runs with key runs into kernel
+slices. The tokens a rank receives during decode are one run of stride N, because the
+round-robin hands every N-th token of a sequence to the same rank::
 
     one sequence, N = 2: prompt of 6 tokens (plan: rank 0 holds 0..2, rank 1 holds 3..5), 4 decoded
     rank 0 rows   0 1 2 | 6 8          runs  (pos 0, len 3, stride 1)  (pos 6, len 2, stride 2)
@@ -21,13 +23,17 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from doccp.algorithms.work import Work
-from doccp.kernels.slices import pair_slices
-from doccp.masks import Mask
+from doccp.kernels.slices import Slices, pair_slices
+from doccp.masks import UNBOUNDED, Mask
+from doccp.ranges import expand, repeat
 
-#: An empty hull is ``(BIG, -BIG)``; far beyond any position or mask bound.
-BIG = 1 << 50
+#: An empty hull is ``(BIG, -BIG)``: beyond any position plus any mask bound (``UNBOUNDED``).
+BIG = 4 * UNBOUNDED
 FULL = Mask.full()
+
+#: Kernel work against one pair of q and k/v buffers: ``(slices, mask)`` parts whose partial
+#: results merge by log-sum-exp (decode adds an unmasked part for strided keys).
+Work = list[tuple[Slices, Mask]]
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,13 @@ class Runs:
         cols = [torch.as_tensor(c, dtype=torch.int64).reshape(-1) for c in (rank, doc, row, pos, length, stride)]
         n = min((c.numel() for c in cols if c.numel() != 1), default=1)  # single values broadcast
         return cls(*(c.expand(n).clone() if c.numel() == 1 else c for c in cols))
+
+    @classmethod
+    def laid_out(cls, doc: torch.Tensor, pos: torch.Tensor, length: torch.Tensor, row0: int = 0,
+                 rank: int = 0) -> Runs:
+        """Stride-1 runs of ``(doc, pos, length)`` laid out back to back from buffer row ``row0``."""
+        one = torch.ones_like(doc)
+        return cls(one * rank, doc, row0 + torch.cumsum(length, 0) - length, pos, length, one)
 
     @classmethod
     def empty(cls) -> Runs:
@@ -86,15 +99,15 @@ class Runs:
 
     def rows(self) -> torch.Tensor:
         """Buffer row of every token, run after run."""
-        return spread(self.row, self.length, torch.ones_like(self.row))
+        return expand(self.row, self.length, torch.ones_like(self.row))
 
     def positions(self) -> torch.Tensor:
         """Document position of every token, run after run."""
-        return spread(self.pos, self.length, self.stride)
+        return expand(self.pos, self.length, self.stride)
 
     def explode(self) -> Runs:
         """One run per token (each trivially dense)."""
-        index = torch.repeat_interleave(torch.arange(len(self)), self.length)
+        index = repeat(torch.arange(len(self)), self.length)
         one = torch.ones_like(index)
         return Runs(self.rank[index], self.doc[index], self.rows(), self.positions(), one, one)
 
@@ -107,26 +120,35 @@ class Runs:
         hi = torch.full((size,), -BIG, dtype=torch.int64).scatter_reduce(0, key, self.end + above, "amax")
         return lo, hi
 
-    def segments(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(doc, row, pos, length)`` columns for :func:`pair_slices`."""
-        return self.doc, self.row, self.pos, self.length
+    @property
+    def extent(self) -> int:
+        """Buffer rows up to the end of the last run."""
+        return int((self.row + self.length).max()) if len(self) else 0
+
+    def locate(self, doc: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Buffer row of each ``(doc, pos)`` (stride-1 runs; every position must be held)."""
+        big = int(torch.cat([self.pos + self.length, pos]).max()) + 1
+        key = self.doc * big + self.pos
+        order = torch.argsort(key)
+        i = order[torch.searchsorted(key[order], doc * big + pos, right=True) - 1]
+        return self.row[i] + (pos - self.pos[i])
+
+    def rows_of(self, doc: torch.Tensor, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+        """Buffer rows of the document ranges ``[start, end)``, concatenated in order."""
+        length = end - start
+        return self.locate(repeat(doc, length), expand(start, length))
+
+    def slices_against(self, keys: Runs, mask: Mask) -> Slices:
+        """Kernel slices of these (stride-1) query runs against stride-1 key runs under ``mask``."""
+        return pair_slices(self.doc, self.row, self.pos, self.length, keys.doc, keys.row, keys.pos, keys.length, mask)
 
 
-def spread(first: torch.Tensor, counts: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """``cat([first[i] + step[i] * arange(counts[i]) for i])`` without a Python loop."""
-    total = int(counts.sum())
-    index = torch.repeat_interleave(torch.arange(first.numel()), counts, output_size=total)
-    within = torch.arange(total) - (torch.cumsum(counts, 0) - counts)[index]
-    return first[index] + step[index] * within
-
-
-def offsets_within(group: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-    """For entries sorted by ``group``: how many tokens of the same group come before each."""
-    before = torch.cumsum(length, 0) - length
-    first = torch.ones_like(group, dtype=torch.bool)
-    first[1:] = group[1:] != group[:-1]
-    start = torch.cummax(torch.where(first, torch.arange(group.numel()), 0), 0).values
-    return before - before[start]
+def clip_to_others(runs: Runs, lo: torch.Tensor, hi: torch.Tensor, rank: int, n: int) -> Runs:
+    """``runs`` of ``rank`` clipped, per sequence, to the hull ``[lo, hi)`` of all *other* ranks
+    (``lo``/``hi`` are ``[n * seqs]`` hulls per (rank, sequence)): what of them another rank can use."""
+    lo, hi = lo.view(n, -1).clone(), hi.view(n, -1).clone()
+    lo[rank], hi[rank] = BIG, -BIG
+    return runs.clip(lo.min(0).values[runs.doc], hi.max(0).values[runs.doc])
 
 
 def work(queries: Runs, keys: Runs, mask: Mask) -> Work:
@@ -150,8 +172,7 @@ def work(queries: Runs, keys: Runs, mask: Mask) -> Work:
     exact = Runs.cat([keys.select(keys.dense), strided.clip(seen_lo, full_lo).explode(),
                       strided.clip(full_hi, seen_hi).explode()])
     full = strided.clip(full_lo, full_hi)
-    parts = [(pair_slices(*queries.segments(), *exact.segments(), mask), mask),
-             (pair_slices(*queries.segments(), *full.segments(), FULL), FULL)]
+    parts = [(queries.slices_against(exact, mask), mask), (queries.slices_against(full, FULL), FULL)]
     return [(s, m) for s, m in parts if len(s)]
 
 

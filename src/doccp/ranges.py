@@ -1,0 +1,49 @@
+"""Vectorised range arithmetic on int64 tensors: the few idioms every host-side table uses.
+
+Plans, schedules, slices and caches are tables of runs ``(first, count)``; turning them into
+per-token indices, or numbering entries within their group, are the same three loops-free
+operations everywhere. They run serially on small inputs (``torch.repeat_interleave``
+parallelises with grain size 1 on CPU, which wakes the intra-op thread pool on every call:
+milliseconds per call on a busy host, and a plan makes dozens of calls).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def repeat(values: torch.Tensor, counts: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """``values[i]`` repeated ``counts[i]`` times (``torch.repeat_interleave``, serial): the first
+    element of each run carries the step from the previous value and one cumsum fills the runs."""
+    total = int(counts.sum()) if total is None else total
+    steps = torch.zeros(total + 1, dtype=torch.int64)
+    steps.index_add_(0, torch.cumsum(counts, 0) - counts, torch.diff(values, prepend=values.new_zeros(1)))
+    return torch.cumsum(steps[:total], 0)
+
+
+def expand(first: torch.Tensor, counts: torch.Tensor, step: torch.Tensor | None = None) -> torch.Tensor:
+    """``cat([first[i] + step[i] * arange(counts[i]) for i])``; ``step`` defaults to 1, where one
+    cumsum over one buffer does it (steps of 1, and a jump where a run starts)."""
+    total = int(counts.sum())
+    offsets = torch.cumsum(counts, 0) - counts
+    if step is None:
+        jumps = torch.diff(first - offsets, prepend=first.new_ones(1))
+        steps = torch.ones(total + 1, dtype=torch.int64).index_add_(0, offsets, jumps)
+        return steps[:total].cumsum_(0)
+    index = repeat(torch.arange(first.numel()), counts, total)
+    return first[index] + step[index] * (torch.arange(total) - offsets[index])
+
+
+def offsets_within(group: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """For each entry, the total ``length`` of the earlier entries (in the given order) of the
+    same ``group``: where it starts in its group's buffer when every group is packed in order.
+    One stable sort by group and one cumsum."""
+    if group.numel() == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    order = torch.argsort(group.to(torch.int32) if group.numel() < 2**31 else group, stable=True)
+    g, n = group[order], length[order]
+    before = torch.cumsum(n, 0) - n
+    first = torch.ones_like(g, dtype=torch.bool)
+    first[1:] = g[1:] != g[:-1]
+    start = torch.cummax(torch.where(first, torch.arange(g.numel()), 0), 0).values
+    return torch.empty_like(before).index_copy_(0, order, before - before[start])
