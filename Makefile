@@ -20,5 +20,5 @@ bench: $(VENV)/.ready
 	$(VENV)/bin/doccp bench $(ARGS)
 
 docs: $(VENV)/.ready
-	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+	$(VENV)/bin/sphinx-build -E -W --keep-going -q -b html docs docs/_build/html
 	@echo "docs: docs/_build/html/index.html"

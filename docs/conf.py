@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import io
 import re
 import sys
@@ -41,9 +42,12 @@ root_doc = "index"
 # results/*.md are the sections benchmarks.md is assembled from (`doccp bench`); the page shows them.
 exclude_patterns = ["_build", "_generated", "results"]
 
+# doccp.hf imports transformers; a docs-only environment documents it without (pip install 'doccp[docs]').
+autodoc_mock_imports = [name for name in ("transformers", "accelerate") if importlib.util.find_spec(name) is None]
 autodoc_default_options = {"members": True, "member-order": "bysource", "show-inheritance": True}
 autodoc_typehints_format = "short"
 autodoc_preserve_defaults = True
+autodoc_inherit_docstrings = False  # not torch's docstrings on our overrides (autograd forward/backward)
 python_maximum_signature_line_length = 100
 add_module_names = False
 
@@ -102,7 +106,7 @@ def _top_level_table() -> None:
 #: Modules whose pages document their members (the public path of each object).
 DOCUMENTED_MODULES = ("doccp.layout", "doccp.masks", "doccp.plan", "doccp.shard", "doccp.varlen",
                       "doccp.algorithms", "doccp.inference", "doccp.interop.doc_packed", "doccp.interop.padded",
-                      "doccp.nn", "doccp.launch", "doccp.checks", "doccp.agreement", "doccp.kernels")
+                      "doccp.nn", "doccp.hf", "doccp.launch", "doccp.checks", "doccp.agreement", "doccp.kernels")
 
 
 def canonical_name(obj: object) -> str:
