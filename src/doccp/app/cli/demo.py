@@ -28,7 +28,7 @@ import doccp
 from doccp import launch
 from doccp.algorithms.registry import training
 from doccp.app import demo
-from doccp.app.cli.main import UsageError, check_range
+from doccp.app.cli.main import UsageError
 from doccp.app.cli.progress import Step
 from doccp.app.corpus import Batch, pack, scan, stdlib_dir
 from doccp.layout import MAX_TOKENS
@@ -83,7 +83,9 @@ def _options(args: argparse.Namespace) -> Options:
     """Validate the flags (every problem is one line and exit code 2)."""
     for flag, minimum, maximum in (("tokens", 1, MAX_TOKENS), ("max_doc_len", 1, MAX_TOKENS),
                                    ("world_size", 1, 1 << 12), ("decode_tokens", 0, 1 << 16), ("threads", 0, 1 << 12)):
-        check_range(f"--{flag.replace('_', '-')}", getattr(args, flag), minimum, maximum)
+        value = getattr(args, flag)
+        if not minimum <= value <= maximum:
+            raise UsageError(f"--{flag.replace('_', '-')} must be in [{minimum}, {maximum}], got {value}")
     if args.tokens < args.world_size:
         raise UsageError(f"--tokens ({args.tokens}) must be at least --world-size ({args.world_size}): "
                          "every rank needs a token")

@@ -25,15 +25,6 @@ class UsageError(ValueError):
     """Bad command-line input: printed as one line, exit code 2."""
 
 
-def check_range(flag: str, value: int, minimum: int, maximum: int) -> int:
-    """``value`` of ``--flag``, or a :class:`UsageError` naming the bound it crosses."""
-    if value < minimum:
-        raise UsageError(f"{flag} must be >= {minimum}, got {value}")
-    if value > maximum:
-        raise UsageError(f"{flag} must be <= {maximum}, got {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="doccp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -13,7 +13,7 @@ import re
 import string
 from pathlib import Path
 
-from doccp.app.cli.main import UsageError, check_range
+from doccp.app.cli.main import UsageError
 from doccp.app.plot import document_owners
 from doccp.layout import DocLayout
 from doccp.masks import Mask
@@ -107,7 +107,9 @@ def _world_size(text: str) -> int:
         n = int(text)
     except ValueError:
         raise UsageError(f"--world-size must be an integer >= 1, got {text!r}") from None
-    return check_range("--world-size", n, 1, MAX_WORLD_SIZE)
+    if not 1 <= n <= MAX_WORLD_SIZE:
+        raise UsageError(f"--world-size must be in [1, {MAX_WORLD_SIZE}], got {n}")
+    return n
 
 
 def _strategies(text: str) -> list[str]:
