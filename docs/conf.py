@@ -8,8 +8,8 @@ guides are Markdown through myst-parser, so the README and the benchmark pages t
 Build-time content goes to ``_generated/`` (ignored by git): the plan pictures of the
 concepts page (drawn by ``doccp.app.plot``, so they always show the current planner), the
 ``--help`` of every command, the table of the top-level names of the API reference, and the
-toctree slots of pages that other work adds (docs/hf.md, docs/architecture.md): each is listed
-once its file exists, and the build stays free of warnings until then.
+toctree slot of a page that other work adds (docs/architecture.md): it is listed once its
+file exists, and the build stays free of warnings until then.
 """
 
 from __future__ import annotations
@@ -123,29 +123,18 @@ def canonical_name(obj: object) -> str:
 
 
 def _toctree(name: str, options: list[str], pages: list[str], later: list[str]) -> None:
-    """A toctree of ``pages`` plus those of ``later`` that exist by now (pages other work adds:
-    docs/hf.md, docs/architecture.md), for the pages to include where the slot is."""
+    """A toctree of ``pages`` plus those of ``later`` that exist by now (pages other work adds),
+    for the page that includes it where the slot is."""
     present = [page for page in later if (HERE / f"{page.lstrip('/')}.md").is_file()]
     _write(GENERATED / f"toc-{name}.md", "\n".join(["```{toctree}", *options, "", *pages, *present, "```", ""]))
-
-
-def _hugging_face_slot() -> None:
-    """docs/hf.md is written with ``doccp.hf``; until it exists the guide says so."""
-    text = ("Hugging Face `transformers` models get context-parallel attention through `doccp.hf`: "
-            + ("see {doc}`/hf`." if (HERE / "hf.md").is_file() else
-               "its guide is being written. Until then, the [`[B, S, H, D]` guide](doc-packed.md) shows the "
-               "custom op such an integration builds on."))
-    _write(GENERATED / "hf-slot.md", text + "\n")
 
 
 GENERATED.mkdir(exist_ok=True)
 _plan_pictures()
 _command_help()
 _top_level_table()
-_hugging_face_slot()
 _toctree("background", [":caption: Background", ":maxdepth: 1", ":hidden:"], ["reliability", "benchmarks"],
          ["architecture"])
-_toctree("integration", [":maxdepth: 1", ":hidden:"], ["torchrun", "padded", "doc-packed"], ["/hf"])
 
 
 # -- cross-references -----------------------------------------------------------------------------
