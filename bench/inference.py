@@ -13,8 +13,12 @@ paired ratio pass_kv / pass_q. The heuristic's pick comes from ``choose_prefill_
 with the group's measured calibration; a point PASSes when, by that ratio, the pick is the
 faster algorithm or within 5% of it.
 
-Decode: B sequences of equal cached length; median time of one ``doccp.decode`` step.
-Prints a markdown section on stdout.
+Decode: B sequences of equal cached length; time of one ``doccp.decode`` step, the mean of a
+block of steps measured by ``torch.utils.benchmark.Timer.timeit`` (it warms up first), the
+slowest rank's. Prefill is timed by hand: a prefill fills the cache it is given, so it cannot
+run again on it, and Timer always repeats its statement to warm up (``blocked_autorange``
+also repeats it a number of times that depends on the rank's own timing, and collectives
+need the same number of calls on every rank). Prints a markdown section on stdout.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.utils.benchmark import Timer
 
 import doccp
 from doccp import DocLayout, comm
@@ -60,7 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _timed(fn) -> float:
-    """Wall time of ``fn`` on the slowest rank (every rank starts together)."""
+    """Wall time of one call of ``fn`` on the slowest rank (every rank starts together)."""
     dist.barrier()
     start = time.perf_counter()
     fn()
@@ -97,14 +102,19 @@ def prefill_point(rank: int, n: int, new: int, cached: int, reps: int, warm_up: 
 
 
 def decode_point(rank: int, n: int, batch: int, length: int, steps: int) -> float:
-    """Median seconds per decode step of ``batch`` sequences with ``length`` cached tokens each."""
+    """Seconds per decode step of ``batch`` sequences with ``length`` cached tokens each, on
+    the slowest rank: a block of ``steps`` steps after Timer's warm-up steps (the same counts
+    on every rank, as the decode's collectives need)."""
     plan = doccp.plan(DocLayout.from_lengths([length] * batch), n)
     cache = doccp.ShardedKVCache.for_group()
     cache.append(_shards(rank, plan, HKV, 6), _shards(rank, plan, HKV, 7), plan)
     g = torch.Generator().manual_seed(8)
     q, k, v = (torch.randn(batch, h, D, generator=g, dtype=DTYPE) for h in (H, HKV, HKV))
-    times = [_timed(lambda: doccp.decode(q, k, v, cache)) for _ in range(steps + 2)]
-    return statistics.median(times[2:])
+    timer = Timer("decode(q, k, v, cache)", setup="barrier()", num_threads=torch.get_num_threads(),
+                  globals={"decode": doccp.decode, "q": q, "k": k, "v": v, "cache": cache, "barrier": dist.barrier})
+    seconds = torch.tensor([timer.timeit(number=steps).mean], dtype=torch.float64)
+    dist.all_reduce(seconds, dist.ReduceOp.MAX)
+    return float(seconds)
 
 
 def worker(rank: int, args: argparse.Namespace) -> dict:
@@ -169,7 +179,7 @@ def report(args: argparse.Namespace, result: dict, argv: list[str], load: tuple[
               f"Target (the pick within {TOLERANCE:.0%} of the faster at every point): "
               f"{'PASS' if passed == len(result['prefill']) else 'MISS'} ({passed}/{len(result['prefill'])}).", "",
               f"### Decode: {args.batch} sequences, one token each per step", "",
-              "| cached tokens per sequence | median ms / step | tokens / s |", "|---:|---:|---:|"]
+              "| cached tokens per sequence | ms / step | tokens / s |", "|---:|---:|---:|"]
     for length, seconds in result["decode"]:
         lines.append(f"| {length} | {seconds * 1e3:.2f} | {args.batch / seconds:.0f} |")
     return "\n".join(lines) + "\n"

@@ -1,4 +1,4 @@
-"""Kernel benchmark (issue 3): ``varlen_attention`` on the ``cpu`` backend, side by side with
+"""Kernel benchmark: ``varlen_attention`` on the ``cpu`` backend, side by side with
 (a) a Python loop calling ``scaled_dot_product_attention`` once per document and
 (b) one dense ``scaled_dot_product_attention`` over the whole stream with a boolean
 document mask. Prints a markdown section to stdout.
@@ -6,13 +6,15 @@ document mask. Prints a markdown section to stdout.
     python bench/kernels.py            # full run (about an hour on 2 cores: mostly (a) on the long mix)
     python bench/kernels.py --quick    # a small subset, under a minute
 
-Ctrl-C (SIGINT) stops a run early and still prints the report of the cases measured so far.
+Ctrl-C (SIGINT) stops a run early and still prints the report of the cases measured so far (exit code 130).
 
 Workload: the first four layouts of every shared mix (``doccp.app.workloads``, 131072 tokens), cropped
 to the first 16384 and 32768 tokens; H=8, Hkv in {8, 2}, D=64, fp32; causal and
 sliding_window(1024); forward and forward+backward; median of repeats, the contenders
 interleaved so that machine noise hits them alike (cases slower than ``--slow`` seconds:
-one run each). Plus 4096 documents of 1..16 tokens.
+one run each). Plus 4096 documents of 1..16 tokens. Every timed run is a
+``torch.utils.benchmark.Timer`` measurement: an untimed warm-up run of the same contender
+right before it, the thread count pinned, accelerators synchronised.
 Both baselines are pinned to PyTorch's flash kernel (the one SDPA picks on CPU anyway), so
 a fallback to the math kernel can never blow up memory.
 """
@@ -36,6 +38,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.benchmark import Timer
 
 from doccp import DocLayout, Mask
 from doccp.app import workloads
@@ -98,33 +101,40 @@ def doc_mask(layout: DocLayout, mask: Mask) -> torch.Tensor:
 
 
 # -- timing ----------------------------------------------------------------------------------
-def run_once(fn: Callable[[], torch.Tensor], leaves, dout, backward: bool) -> float:
-    start = time.perf_counter()
-    if backward:
-        fn().backward(dout)
-    else:
-        with torch.no_grad():
-            fn()
-    elapsed = time.perf_counter() - start
-    for x in leaves:
-        x.grad = None
-    return elapsed
+def timer(fn: Callable[[], torch.Tensor], leaves, dout, backward: bool, name: str) -> Timer:
+    """A Timer for one contender: forward (no autograd graph) or forward + backward, with the
+    gradients of ``leaves`` cleared before every measurement (untimed)."""
+    def step() -> None:
+        if backward:
+            fn().backward(dout)
+        else:
+            with torch.no_grad():
+                fn()
+
+    def reset() -> None:
+        for x in leaves:
+            x.grad = None
+
+    return Timer("step()", setup="reset()", globals={"step": step, "reset": reset},
+                 num_threads=torch.get_num_threads(), description=name)
 
 
 def time_side_by_side(fns: dict[str, Callable[[], torch.Tensor]], leaves, dout, backward: bool,
                       repeats: int, slow_s: float) -> dict[str, float]:
-    """Median milliseconds per contender over ``repeats`` interleaved runs (the order flips
-    every round, so drifting machine load hits both alike) after a warm-up. Cases where one
-    run takes over ``slow_s`` seconds get a single run and no warm-up (there is no JIT to
-    warm; at that size the run is the measurement, and more runs would take hours)."""
-    first = {name: run_once(fn, leaves, dout, backward) for name, fn in fns.items()}
-    if max(first.values()) > slow_s:
-        return {name: 1e3 * t for name, t in first.items()} | {"runs": 1}
+    """Median milliseconds per contender over ``repeats`` interleaved rounds (the order flips
+    every round, so drifting machine load hits both alike). In a round each contender gets
+    one ``blocked_autorange(min_run_time=0)``: a warm-up run, then one timed run. A case
+    where a timed run takes over ``slow_s`` seconds stops after the first round (at that size
+    the run is the measurement, and more runs would take hours)."""
+    timers = {name: timer(fn, leaves, dout, backward, name) for name, fn in fns.items()}
     times: dict[str, list[float]] = {name: [] for name in fns}
     for round_ in range(repeats):
-        for name, fn in list(fns.items())[:: 1 if round_ % 2 else -1]:
-            times[name].append(run_once(fn, leaves, dout, backward))
-    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()} | {"runs": repeats}
+        for name, t in list(timers.items())[:: 1 if round_ % 2 else -1]:
+            times[name].append(t.blocked_autorange(min_run_time=0).median)
+        if round_ == 0 and max(ts[0] for ts in times.values()) > slow_s:
+            break
+    runs = len(next(iter(times.values())))
+    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()} | {"runs": runs}
 
 
 def inputs(tokens: int, hkv: int, seed: int = 0):
@@ -176,7 +186,8 @@ def bench_dense(mix, layout, mask_name, mask, q, k, v, dout, cpu_rows: list[dict
     full_mask = doc_mask(layout, mask)
     out = []
     for backward, cpu_row in zip((False, True), cpu_rows, strict=True):
-        dense = 1e3 * run_once(lambda: dense_masked(q, k, v, full_mask), (q, k, v), dout, backward)
+        dense_timer = timer(lambda: dense_masked(q, k, v, full_mask), (q, k, v), dout, backward, "dense")
+        dense = 1e3 * dense_timer.blocked_autorange(min_run_time=0).median
         out.append(dict(mix=mix, tokens=layout.num_tokens, docs=layout.num_docs, hkv=k.shape[1], mask=mask_name,
                         pass_=cpu_row["pass_"], cpu=cpu_row["cpu"], dense=dense))
         log(f"dense {mix} {mask_name} {cpu_row['pass_']}: cpu {cpu_row['cpu']:.1f} ms, dense {dense:.1f} ms")
@@ -285,10 +296,10 @@ def report(args, rows, dense_rows, tiny_rows, minutes: float, interrupted: bool 
     return "\n".join(parts) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small subset, under a minute")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per case (default 5, quick 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per case (default 3, quick 1)")
     parser.add_argument("--slow", type=float, default=5.0,
                         help="a case whose first run takes longer (seconds) is timed once (default %(default)s)")
     parser.add_argument("--layouts", type=int, default=None, help="layouts per mix (default 4, quick 1)")
@@ -298,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--masks", default=",".join(MASKS), help="comma-separated masks (default: %(default)s)")
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
-    args.repeats = args.repeats or (1 if args.quick else 5)
+    args.repeats = args.repeats or (1 if args.quick else 3)
     args.layouts = args.layouts or (1 if args.quick else 4)
     crops = [2048] if args.quick else [16384, 32768]
     names = args.only.split(",") if args.only else workloads.SHARED_MIXES
@@ -317,7 +328,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C / SIGINT: report what was measured, marked as partial
         interrupted = True
     print(report(args, rows, dense_rows, tiny_rows, (time.perf_counter() - start) / 60, interrupted))
+    return 130 if interrupted else 0  # a partial report is not a result (doccp bench keeps it out of docs/)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

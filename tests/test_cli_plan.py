@@ -103,3 +103,30 @@ def test_bad_input_is_one_line_exit_2(capsys, args, message):
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("doccp plan: error: ") and message in lines[0]
+
+
+def test_space_separated_lengths_and_the_commands_own_usage(capsys):
+    code, out, _ = run(capsys, "--lengths", "300", "40", "1000", "-n", "2")
+    assert code == 0 and out.startswith("doccp plan: 3 documents, 1340 tokens, 2 ranks")
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--lengths", "300", "--bogus", "1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.startswith("usage: doccp plan ") and "doccp plan: error: unrecognized arguments: --bogus 1" in err
+
+
+def test_picture_names_ranks_units_and_tiny_documents():
+    from doccp.app.plot import plan_figure, tiny_documents
+
+    p = plan(DocLayout.from_lengths([3000, 2, 0, 900]), 2)  # the 2-token document is under a pixel
+    assert tiny_documents(p) == [1] and tiny_documents(plan(DocLayout.from_lengths([30, 3]), 2)) == []
+    fig = plan_figure(p)
+    ax_mask, ax_docs, ax_work = fig.axes
+    assert [t.get_text() for t in ax_mask.get_legend().get_texts()] == [
+        "rank 0", "rank 1", "not visible", "document under 3 px (1)"]
+    stats = p.stats()
+    bars = [t.get_text() for t in ax_work.texts]
+    assert bars == [f"{stats.tokens[r]} tokens, {stats.pieces[r]} piece{'s' if stats.pieces[r] != 1 else ''}, "
+                    f"KV received: {stats.kv_recv[r]} tokens" for r in range(2)]
+    assert [t.get_text() for t in ax_docs.get_yticklabels()] == [
+        "doc 0 (3000 tok)", "doc 1 (2 tok)", "doc 2 (0 tok)", "doc 3 (900 tok)"]

@@ -2,7 +2,7 @@
 
 T new tokens, P cached, N ranks, H query / Hkv KV heads, head_dim D, e bytes per element.
 Every ring step computes ``c = 4 * (T/N) * ((T+P)/N) * H * D / C`` seconds of attention
-(C: FLOP/s of one rank) while one hop moves, at BW bytes/s,
+(C: FLOP/s of one rank) while one hop moves, at BW bytes/s::
 
     pass-KV   h_kv = 2 * (T+P)/N * Hkv * D * e / BW    (K and V of cached + new tokens)
     pass-Q    h_q  =     T/N   * H   * D * e / BW    + a2a = (N-1) * T/N * H * (D+1) * 4 / BW

@@ -171,13 +171,13 @@ def _describe(report: Report, batch: Batch, opts: Options, args: argparse.Namesp
 
 
 def _plans(report: Report, batch: Batch, opts: Options, world_size: int) -> None:
-    report("\n## 1. Plans: who holds which tokens\n")
-    with Step("planning", total=len(STRATEGIES)) as step:
+    with Step("planning", total=len(STRATEGIES)) as step:  # progress lines go between sections, never inside
         plans = {}
         for name in STRATEGIES:
             plans[name] = doccp.plan(batch.layout, world_size, opts.mask, name)
             step.advance()
         stats = {name: p.stats() for name, p in plans.items()}
+    report("\n## 1. Plans: who holds which tokens\n")
     report("| strategy | work imbalance (max/mean) | pieces (max per rank) | max KV received | vs all-gather |")
     report("|---|---|---|---|---|")
     for name, s in stats.items():
@@ -185,11 +185,11 @@ def _plans(report: Report, batch: Batch, opts: Options, world_size: int) -> None
     for name, s in stats.items():
         report(f"\n{name}, per rank:\n```\n{s.table()}\n```")
     best = stats["balanced"]
-    others = "; ".join(f"{n}: {s.imbalance:.3f}, {max(s.pieces)} pieces, {s.max_kv_fraction:.0%}"
+    others = "; ".join(f"{n}: {s.imbalance:.3f}, {_count(max(s.pieces), 'piece')}, {s.max_kv_fraction:.0%}"
                        for n, s in stats.items() if n != "balanced")
-    report.notes.append(("plans", f"balanced: work imbalance {best.imbalance:.3f}, at most {max(best.pieces)} "
-                                  f"pieces per rank, KV received {best.max_kv_fraction:.0%} of an all-gather "
-                                  f"({others})"))
+    report.notes.append(("plans", f"balanced: work imbalance {best.imbalance:.3f}, at most "
+                                  f"{_count(max(best.pieces), 'piece')} per rank, KV received "
+                                  f"{best.max_kv_fraction:.0%} of an all-gather ({others})"))
     try:
         from doccp.app.plot import plot_plan
 
@@ -254,14 +254,14 @@ def _mb(values: list[int]) -> str:
     return _per_rank([v / 2**20 for v in values], "{:.1f}")
 
 
-def _threads(n: int) -> str:
-    return f"{n} thread" + ("s" if n != 1 else "")
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("s" if n != 1 else "")
 
 
 def _training(report: Report, work: demo.Workload, runs: list[demo.Run], device: torch.device) -> None:
-    report(f"\n## 2. Tiny LM forward + backward: {len(runs[0].seconds)} CP ranks vs one process\n")
     with Step("one-process reference"):
         ref = demo.single_process(work, device)
+    report(f"\n## 2. Tiny LM forward + backward: {len(runs[0].seconds)} CP ranks vs one process\n")
     tol = demo.TOLERANCE[work.dtype]
     report(f"model: {demo.MODEL}, {str(work.dtype).removeprefix('torch.')}, {work.strategy} plan; errors are "
            f"max |CP - 1 process| / max |1 process| (tolerance {tol:.0e})\n")
@@ -281,32 +281,36 @@ def _training(report: Report, work: demo.Workload, runs: list[demo.Run], device:
     report.notes.append(("training", f"{', '.join(r.name for r in runs)} match one process within {tol:.0e} "
                                      "(logits, loss, parameter gradients)"))
     report.notes.append(("time", f"{fastest.name}: slowest rank {max(fastest.seconds):.2f}s ({len(runs[0].seconds)} "
-                                 f"ranks x {_threads(fastest.threads)}) vs one process {ref.seconds[0]:.2f}s "
-                                 f"({_threads(ref.threads)}), on {os.cpu_count()} cores"))
+                                 f"ranks x {_count(fastest.threads, 'thread')}) vs one process {ref.seconds[0]:.2f}s "
+                                 f"({_count(ref.threads, 'thread')}), on {os.cpu_count()} cores"))
 
 
 def _generation(report: Report, work: demo.Workload, generations: list[demo.Generation], device: torch.device) -> None:
-    report("\n## 3. Prefill + greedy decode under CP vs one process\n")
+    title = "\n## 3. Prefill + greedy decode under CP vs one process\n"
     if not generations:
+        report(title)
         report("skipped: " + ("--decode-tokens 0" if work.decode_tokens == 0 else
                               f"generation needs a mask that never looks ahead, not {work.mask}"))
         return
     steps = work.decode_tokens
     tol = demo.TOLERANCE[work.dtype]
+    with Step("one-process check of the generated tokens", total=len(generations)) as step:
+        checks = []
+        for g in generations:
+            checks.append(demo.check_generation(work, g, device))
+            step.advance()
+    report(title)
     report(f"Every document is a prompt: prefill with each algorithm, then {steps - 1} decode steps; one process "
            f"re-runs prompts + generated tokens in one forward (tolerance {tol:.0e} on the logits).\n")
     report(_row("prefill", "tokens match", "logits error", "prefill s per rank", f"decode s per rank ({steps - 1} "
                 "steps)", "MB received per rank"))
     report(_row(*["---"] * 6))
     bad = []
-    with Step("one-process check of the generated tokens", total=len(generations)) as step:
-        for g in generations:
-            error, same = demo.check_generation(work, g, device)
-            step.advance()
-            ok = same and error <= tol
-            bad += [] if ok else [g.name]
-            report(_row(g.name + ("" if ok else " **FAIL**"), "yes" if same else "NO", f"{error:.1e}",
-                        _per_rank(g.prefill_seconds), _per_rank(g.decode_seconds), _mb(g.received)))
+    for g, (error, same) in zip(generations, checks, strict=True):
+        ok = same and error <= tol
+        bad += [] if ok else [g.name]
+        report(_row(g.name + ("" if ok else " **FAIL**"), "yes" if same else "NO", f"{error:.1e}",
+                    _per_rank(g.prefill_seconds), _per_rank(g.decode_seconds), _mb(g.received)))
     sample = generations[0].tokens[0].tolist()
     report(f"\ndocument 0 continues with bytes {sample} ({bytes(sample)!r}; random weights)")
     if bad:

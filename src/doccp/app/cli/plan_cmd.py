@@ -2,6 +2,7 @@
 KV to receive, for one strategy or all of them side by side, and optionally a picture.
 
     doccp plan --lengths 48,56,58,35 --world-size 2
+    doccp plan --lengths 300 40 1000 7 700 -n 4 --strategy all
     doccp plan --lengths-file lengths.txt --world-size 8 --mask window:512 --strategy all --plot plan.png
 """
 
@@ -12,10 +13,8 @@ import re
 import string
 from pathlib import Path
 
-import torch
-
 from doccp.app.cli.main import UsageError
-from doccp.app.plot import owners
+from doccp.app.plot import document_owners
 from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan import STRATEGIES, Plan, plan
@@ -29,7 +28,8 @@ MAX_WORLD_SIZE = 1 << 16
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the examples' lines
-    p.add_argument("--lengths", metavar="L1,L2,...", help="document lengths in stream order, e.g. 48,56,58,35")
+    p.add_argument("--lengths", nargs="+", metavar="L",
+                   help="document lengths in stream order: 48,56,58,35 or 48 56 58 35")
     p.add_argument("--lengths-file", metavar="FILE",
                    help="file of document lengths separated by commas, spaces or newlines ('#' starts a comment)")
     p.add_argument("--world-size", "-n", metavar="N", default="2", help="number of CP ranks (default: 2)")
@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    layout = DocLayout.from_lengths(_lengths(args.lengths, args.lengths_file))
+    text = " ".join(args.lengths) if args.lengths is not None else None
+    layout = DocLayout.from_lengths(_lengths(text, args.lengths_file))
     world_size = _world_size(args.world_size)
     mask = Mask.parse(args.mask)
     strategies = _strategies(args.strategy)
@@ -76,13 +77,9 @@ def text_picture(p: Plan) -> str:
     character per token, or per band of tokens for long documents)."""
     if p.world_size > len(SYMBOLS) or p.layout.num_tokens == 0:
         return ""
-    cu, lines = p.layout.cu_seqlens.tolist(), []
-    for doc in range(min(p.layout.num_docs, PICTURE_DOCS)):
-        start, length = cu[doc], cu[doc + 1] - cu[doc]
-        width = min(length, PICTURE_WIDTH)
-        sampled = [start + (2 * c + 1) * length // (2 * width) for c in range(width)]
-        cells = "".join(SYMBOLS[r] for r in owners(p, torch.tensor(sampled, dtype=torch.int64)).tolist())
-        lines.append(f"  doc {doc:<4} {length:>7}  {cells}")
+    lengths = p.layout.lengths.tolist()
+    lines = [f"  doc {doc:<4} {lengths[doc]:>7}  {''.join(SYMBOLS[r] for r in row.tolist())}"
+             for doc, row in enumerate(document_owners(p, PICTURE_DOCS, PICTURE_WIDTH))]
     if p.layout.num_docs > PICTURE_DOCS:
         lines.append(f"  ... {p.layout.num_docs - PICTURE_DOCS} more documents")
     return "token owners (rank per token, sampled for long documents):\n" + "\n".join(lines)
