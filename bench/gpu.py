@@ -11,7 +11,7 @@ boolean document mask (a dash where it ran out of memory). H=32, Hkv=8, D=128, b
 and sliding_window(4096), forward and forward+backward; CUDA-event timing, median of
 ``--repeats`` rounds (the contenders take turns) after the GPU's clocks have
 settled. TFLOP/s counts the visible pairs (4·D flops per pair forward, 2.5x that backward).
-Prints a markdown section; record complete runs in docs/results/gpu.md.
+Prints a markdown section; record complete runs in docs/gpu.md.
 """
 
 from __future__ import annotations

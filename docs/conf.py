@@ -133,7 +133,7 @@ GENERATED.mkdir(exist_ok=True)
 _plan_pictures()
 _command_help()
 _top_level_table()
-_toctree("background", [":caption: Background", ":maxdepth: 1", ":hidden:"], ["reliability", "benchmarks"],
+_toctree("background", [":caption: Background", ":maxdepth: 1", ":hidden:"], ["reliability", "benchmarks", "gpu"],
          ["architecture"])
 
 

@@ -1,6 +1,6 @@
 """The ``cuda`` backend: flash-attention varlen (``torch.nn.attention.varlen``), fp16/bf16.
 
-Run and measured on an H100 with torch 2.11 (``docs/results/gpu.md``); its tests
+Run and measured on an H100 with torch 2.11 (``docs/gpu.md``); its tests
 (``tests/test_gpu.py``, ``tests/test_kernels.py``) skip without CUDA.
 
 Why no decomposition is needed here: flash varlen takes a batch of sequences and ONE window
