@@ -11,12 +11,26 @@ import math
 import torch
 
 from doccp import DocLayout, Mask
+from doccp.masks import BandMask, ChunkedMask
+
+
+def visible(mask: Mask, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """Whether query position ``i`` sees key position ``j`` of the same document, from each mask
+    kind's definition (written here again, independently of doccp's own code)."""
+    if isinstance(mask, ChunkedMask):
+        return (j <= i) & (i // mask.size == j // mask.size)
+    assert isinstance(mask, BandMask), mask
+    ok = torch.ones(torch.broadcast_shapes(i.shape, j.shape), dtype=torch.bool)
+    if mask.left is not None:
+        ok &= j >= i - mask.left
+    if mask.right is not None:
+        ok &= j <= i + mask.right
+    return ok
 
 
 def dense_mask(layout: DocLayout, mask: Mask) -> torch.Tensor:
     doc, pos = layout.doc_ids(), layout.positions()
-    d = pos[None, :] - pos[:, None]
-    return (doc[:, None] == doc[None, :]) & (d >= -mask.left_bound) & (d <= mask.right_bound)
+    return (doc[:, None] == doc[None, :]) & visible(mask, pos[:, None], pos[None, :])
 
 
 def dense_attention(q, k, v, layout: DocLayout, mask: Mask, scale: float | None = None):

@@ -16,7 +16,7 @@ from doccp.algorithms import predicted_bytes
 from doccp.algorithms.registry import Shapes
 from doccp.launch import WorkerError, spawn
 
-MASKS = [Mask.causal(), Mask.full(), Mask.sliding_window(5), Mask.sliding_window(4, 3)]
+MASKS = [Mask.causal(), Mask.full(), Mask.sliding_window(5), Mask.sliding_window(4, 3), Mask.chunked(6)]
 STRATEGIES = ["contiguous", "head_tail", "balanced"]
 ALGORITHMS = ["allgather", "ring_kv"]
 HQ, HKV, D = 4, 1, 16  # GQA 4:1
@@ -195,3 +195,15 @@ def test_attention_balanced_plans_odd_world():
     cases = [(lengths, "balanced", mask, algorithm, i) for i, (lengths, mask, algorithm) in enumerate(
         itertools.product([many, [1, 0, 1]], [Mask.causal(), Mask.sliding_window(4, 3)], ALGORITHMS))]
     check(spawn(run_cases, 3, 3, cases, threads=1), cases, 3)
+
+
+def test_chunks_that_do_not_straddle_ranks_move_nothing():
+    """A chunk needs only its own keys: cut at chunk boundaries, CP exchanges no KV at all, while
+    a cut inside a chunk sends just that chunk's head."""
+    layout = DocLayout.from_lengths([64, 32])
+    aligned = doccp.plan(layout, 3, Mask.chunked(32), "contiguous")  # ranks hold [0,32) [32,64) [64,96)
+    assert aligned.kv_received == [0, 0, 0]
+    for name in ("allgather", "ring_kv"):
+        assert predicted_bytes(aligned, name, Shapes(HQ, HKV, D, 4)) == [0, 0, 0]
+    cut = doccp.plan(layout, 2, Mask.chunked(32), "contiguous")  # rank 1 starts at 48: mid-chunk
+    assert cut.kv_received == [0, 16]

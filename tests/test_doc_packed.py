@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from oracle import visible
 
 from doccp import Mask, doc_packed_attn, kernels
 from doccp.interop.doc_packed import doc_packed_attn_backward_op, doc_packed_attn_op
@@ -15,7 +16,7 @@ S = 12
 #: trailing zero-length docs; one doc spanning S; docs 1, 3, 0 (in the middle), 8; docs 2, 7, 3
 CU_ROWS = torch.tensor([[0, 5, 12, 12, 12], [0, 12, 12, 12, 12], [0, 1, 4, 4, 12], [0, 2, 9, 12, 12]],
                        dtype=torch.int32)
-MASKS = [Mask.causal(), Mask.full(), Mask.sliding_window(3), Mask.sliding_window(2, 1)]
+MASKS = [Mask.causal(), Mask.full(), Mask.sliding_window(3), Mask.sliding_window(2, 1), Mask.chunked(4)]
 
 
 def oracle(q, k, v, cu_rows, mask: Mask, scale: float | None = None):
@@ -27,10 +28,9 @@ def oracle(q, k, v, cu_rows, mask: Mask, scale: float | None = None):
     t = torch.arange(s).expand(b, s).contiguous()
     doc = torch.searchsorted(cu, t, right=True) - 1
     pos = t - cu.gather(1, doc)
-    rel = pos[:, None, :] - pos[:, :, None]  # key position - query position
-    visible = (doc[:, :, None] == doc[:, None, :]) & (rel >= -mask.left_bound) & (rel <= mask.right_bound)
+    seen = (doc[:, :, None] == doc[:, None, :]) & visible(mask, pos[:, :, None], pos[:, None, :])
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * (1 / math.sqrt(d) if scale is None else scale)
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    scores = scores.masked_fill(~seen[:, None], float("-inf"))
     return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v), scores.logsumexp(-1)
 
 
@@ -84,13 +84,16 @@ def test_opcheck():
     aot_dispatch_dynamic compile."""
     quick = ("test_schema", "test_autograd_registration", "test_faketensor")
     q, k, v, cu = inputs()
-    torch.library.opcheck(doc_packed_attn_op, (q, k, v, cu, -1, 0, None))
-    torch.library.opcheck(doc_packed_attn_op, (q, k, v, cu, 3, 1, 0.5), test_utils=quick)
+    causal, window, chunked = (m.spec() for m in (Mask.causal(), Mask.sliding_window(3, 1), Mask.chunked(4)))
+    torch.library.opcheck(doc_packed_attn_op, (q, k, v, cu, causal, None))
+    torch.library.opcheck(doc_packed_attn_op, (q, k, v, cu, window, 0.5), test_utils=quick)
+    torch.library.opcheck(doc_packed_attn_op, (q, k, v, cu, chunked, None), test_utils=quick)
     q, k, v = (t.detach() for t in (q, k, v))
-    out, lse = doc_packed_attn_op(q, k, v, cu, -1, 0, None)
+    out, lse = doc_packed_attn_op(q, k, v, cu, causal, None)
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
-    torch.library.opcheck(doc_packed_attn_backward_op, (dout, dlse, q, k, v, out, lse, cu, -1, 0, None))
-    torch.library.opcheck(doc_packed_attn_backward_op, (dout, None, q, k, v, out, lse, cu, 3, 1, 0.5), test_utils=quick)
+    torch.library.opcheck(doc_packed_attn_backward_op, (dout, dlse, q, k, v, out, lse, cu, causal, None))
+    torch.library.opcheck(doc_packed_attn_backward_op, (dout, None, q, k, v, out, lse, cu, window, 0.5),
+                          test_utils=quick)
 
 
 def test_compile_fullgraph_matches_eager():
@@ -159,7 +162,7 @@ def test_device_path_plumbing(monkeypatch):
     out, lse = doc_packed_attn(q, k, v, cu, Mask.sliding_window(2, 1), return_lse=True)
     (out.sum() + lse.sum()).backward()
     host = [out, lse, *grads(q, k, v)]
-    monkeypatch.setattr(doc_packed, "_device_kernels", lambda q: _StubDeviceKernels)
+    monkeypatch.setattr(doc_packed, "_device_kernels", lambda q, mask: _StubDeviceKernels)
     out, lse = doc_packed_attn(q, k, v, cu, Mask.sliding_window(2, 1), return_lse=True)
     (out.sum() + lse.sum()).backward()
     for mine, ref in zip([out, lse, *grads(q, k, v)], host, strict=True):
@@ -169,7 +172,7 @@ def test_device_path_plumbing(monkeypatch):
 def _has_device_kernels() -> bool:
     from doccp.interop.doc_packed import _device_kernels
 
-    return torch.cuda.is_available() and _device_kernels(torch.empty(0, device="cuda")) is not None
+    return torch.cuda.is_available() and _device_kernels(torch.empty(0, device="cuda"), Mask.causal()) is not None
 
 
 @pytest.mark.cuda

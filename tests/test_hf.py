@@ -227,23 +227,26 @@ def test_refuses_dropout_softcap_padding_and_cache():
 class Layer(torch.nn.Module):
     """A stand-in attention module: what the attention function reads from the layer."""
 
-    def __init__(self, is_causal: bool):
+    def __init__(self, is_causal: bool, chunk: int | None = None):
         super().__init__()
         self.is_causal, self.layer_idx = is_causal, 0
+        if chunk is not None:  # Llama 4's chunked-attention layers
+            self.config = type("Config", (), {"layer_types": ["chunked_attention"], "attention_chunk_size": chunk})()
 
 
-@pytest.mark.parametrize(("is_causal", "window", "mask"), [
-    (True, None, doccp.Mask.causal()),
-    (True, 3, doccp.Mask.sliding_window(2)),  # HF's window counts the query itself: kv > q - W
-    (False, None, doccp.Mask.full()),
+@pytest.mark.parametrize(("is_causal", "window", "chunk", "mask"), [
+    (True, None, None, doccp.Mask.causal()),
+    (True, 3, None, doccp.Mask.sliding_window(2)),  # HF's window counts the query itself: kv > q - W
+    (False, None, None, doccp.Mask.full()),
+    (True, None, 4, doccp.Mask.chunked(4)),
 ])
-def test_attention_function_matches_oracle(is_causal, window, mask):
-    assert doccp.hf.layer_mask(Layer(is_causal), window) == mask
+def test_attention_function_matches_oracle(is_causal, window, chunk, mask):
+    assert doccp.hf.layer_mask(Layer(is_causal, chunk), window) == mask
     layout = doccp.DocLayout.from_lengths(LENGTHS)
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, h, layout.num_tokens, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
     positions = layout.positions().unsqueeze(0)
-    out, weights = doccp.hf.attention.attention_forward(Layer(is_causal), q, k, v, None, scaling=0.3,
+    out, weights = doccp.hf.attention.attention_forward(Layer(is_causal, chunk), q, k, v, None, scaling=0.3,
                                                         sliding_window=window, position_ids=positions)
     assert weights is None and out.shape == (1, layout.num_tokens, 4, 8)
     expected, _ = dense_attention(*(x[0].transpose(0, 1) for x in (q, k, v)), layout, mask, scale=0.3)

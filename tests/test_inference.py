@@ -24,7 +24,7 @@ from doccp.inference import choose_prefill_algorithm
 from doccp.launch import spawn
 
 HQ, HKV, D = 4, 2, 16  # GQA 2:1
-MASKS = [Mask.causal(), Mask.sliding_window(7)]
+MASKS = [Mask.causal(), Mask.sliding_window(7), Mask.chunked(5)]
 ALGORITHMS = ["pass_kv", "pass_q"]
 STRATEGIES = ["balanced", "head_tail", "contiguous"]
 MISS_RATES = [0.01, 0.1, 1.0]

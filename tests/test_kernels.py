@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracle import visible
 
 from doccp.kernels import BACKENDS, Slices, attend, attend_backward, cpu, cuda, doc_slices
 from doccp.kernels.merge import merge_rows
@@ -18,7 +19,7 @@ from doccp.masks import Mask
 from doccp.varlen import varlen_attention
 
 CPU_BACKENDS = ["reference", "cpu"]
-MASKS = [Mask.causal(), Mask.full(), Mask.sliding_window(5), Mask.sliding_window(4, 3)]
+MASKS = [Mask.causal(), Mask.full(), Mask.sliding_window(5), Mask.sliding_window(4, 3), Mask.chunked(6)]
 TOL = {torch.float64: (1e-10, 1e-9), torch.float32: (2e-5, 1e-4), torch.bfloat16: (2.5e-2, 2.5e-2),
        torch.float16: (2.5e-2, 2.5e-2)}  # (out and lse, gradients)
 needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and "cuda" in BACKENDS),
@@ -27,8 +28,7 @@ needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and "cuda" in BAC
 
 # -- the oracle ------------------------------------------------------------------------------
 def band(qpos: torch.Tensor, kpos: torch.Tensor, mask: Mask) -> torch.Tensor:
-    d = kpos[None, :] - qpos[:, None]
-    return (d >= -mask.left_bound) & (d <= mask.right_bound)
+    return visible(mask, qpos[:, None], kpos[None, :])
 
 
 def doc_visibility(layout: DocLayout, mask: Mask) -> torch.Tensor:

@@ -6,23 +6,26 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracle import visible as oracle_visible
 
 from doccp import Mask
-from doccp.masks import UNBOUNDED
+from doccp.kernels.slices import Slices
+from doccp.masks import UNBOUNDED, BandMask, ChunkedMask
 
 SETTINGS = settings(max_examples=150, deadline=None)
 
-masks = st.one_of(
+bands = st.one_of(
     st.just(Mask.causal()),
     st.just(Mask.full()),
     st.builds(Mask.sliding_window, st.integers(0, 12), st.integers(0, 12)),
     st.builds(Mask, st.none() | st.integers(0, 12), st.none() | st.integers(0, 12)),
 )
+masks = bands | st.builds(Mask.chunked, st.integers(1, 9))
 ranges = st.tuples(st.integers(0, 40), st.integers(0, 40))  # may be empty or reversed
 
 
 def visible(mask: Mask, i: int, j: int) -> bool:
-    return (mask.left is None or j >= i - mask.left) and (mask.right is None or j <= i + mask.right)
+    return bool(oracle_visible(mask, torch.tensor(i), torch.tensor(j)))
 
 
 def brute_pairs(mask: Mask, q: tuple[int, int], k: tuple[int, int]) -> int:
@@ -85,7 +88,7 @@ def test_pairs_vectorised(mask, cases):
 
 
 @SETTINGS
-@given(masks, ranges, ranges)
+@given(bands, ranges, ranges)
 def test_pairs_transpose(mask, q, k):
     """Swapping queries and keys mirrors the band: (left, right) -> (right, left)."""
     mirrored = Mask(mask.right, mask.left)
@@ -117,3 +120,64 @@ def test_pairs_exact_for_huge_documents(length):
     assert int(Mask.full().pairs(0, n, 0, n)) == n * n
     assert int(Mask.sliding_window(10).pairs(0, n, 0, n)) == 11 * n - 55
     assert int(Mask(None, 5).pairs(0, n, 0, n)) == n * (n + 1) // 2 + 5 * n - 15
+
+
+# -- the protocol, for every kind of mask ------------------------------------------------
+def test_chunked_constructors_and_spelling():
+    assert Mask.chunked(4) == ChunkedMask(4) and str(Mask.chunked(4)) == "chunked(4)"
+    assert Mask.parse("chunked:8") == Mask.chunked(8) and Mask.parse(" Chunked:1 ") == Mask.chunked(1)
+    assert Mask.chunked(2**40) == Mask.causal()  # a chunk longer than any document
+    assert not Mask.chunked(3).looks_ahead and not Mask.causal().looks_ahead and Mask(2, 1).looks_ahead
+    for mask in (Mask.causal(), Mask.full(), Mask(3, None), Mask(0, 2), Mask.chunked(5)):
+        assert Mask.from_spec(mask.spec()) == mask
+    for text in ("chunked:", "chunked:0", "chunked:x", "chunked:2,3"):
+        with pytest.raises(ValueError, match="(?i)mask|size"):
+            Mask.parse(text)
+    with pytest.raises(TypeError, match="ChunkedMask.size"):
+        Mask.chunked(2.5)
+    assert isinstance(Mask(3, 0), BandMask) and isinstance(Mask.chunked(3), Mask)
+
+
+@SETTINGS
+@given(masks, st.integers(1, 30))
+def test_every_row_sees_one_interval_whose_ends_never_decrease(mask, doc_len):
+    """The monotone-interval property every consumer of the protocol relies on."""
+    ends = []
+    for i in range(doc_len):
+        seen = [j for j in range(doc_len) if visible(mask, i, j)]
+        assert seen == list(range(seen[0], seen[-1] + 1)), (mask, i)  # one interval, diagonal included
+        ends.append((seen[0], seen[-1]))
+    assert ends == sorted(ends) and [e[1] for e in ends] == sorted(e[1] for e in ends)
+
+
+@SETTINGS
+@given(masks, st.integers(1, 30), st.data())
+def test_visible_queries_are_the_hull_of_the_queries_that_see_a_key_range(mask, doc_len, data):
+    ks = data.draw(st.integers(0, doc_len - 1))
+    ke = data.draw(st.integers(ks + 1, doc_len))
+    seeing = [i for i in range(doc_len) if any(visible(mask, i, j) for j in range(ks, ke))]
+    assert mask.visible_queries(ks, ke, doc_len) == (min(seeing), max(seeing) + 1)
+
+
+@SETTINGS
+@given(masks, st.lists(st.tuples(st.integers(0, 20), st.integers(0, 9), st.integers(0, 20), st.integers(0, 9)),
+                       min_size=1, max_size=6))
+def test_bands_cover_exactly_the_pairs_of_the_slices(mask, rows):
+    """Rewritten as band-masked parts, a set of slices covers the same (row, key row) pairs."""
+    q_row, k_row = 0, 0
+    cols = []
+    for q_pos, m, k_pos, n in rows:
+        cols.append((q_row, q_row + m, k_row, k_row + n, q_pos, k_pos))
+        q_row, k_row = q_row + m, k_row + n
+    slices = Slices.of(*zip(*cols, strict=True))
+
+    def pairs_of(s: Slices, m: Mask) -> set:
+        return {(s.q_start[x].item() + a, s.k_start[x].item() + b)
+                for x in range(len(s)) for a in range(int(s.q_end[x] - s.q_start[x]))
+                for b in range(int(s.k_end[x] - s.k_start[x]))
+                if visible(m, int(s.q_pos0[x]) + a, int(s.k_pos0[x]) + b)}
+
+    got = [pairs_of(s, band) for s, band in mask.bands(slices)]
+    assert all(isinstance(band, BandMask) for _, band in mask.bands(slices))
+    assert sum(len(g) for g in got) == len(set().union(*got))  # parts never share a pair
+    assert set().union(*got) == pairs_of(slices, mask)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from oracle import visible
 
 import doccp
 from doccp.interop.padded import padded_plan
@@ -105,10 +106,9 @@ def dense_reference(q, k, v, lens, mask):
         qb = q[b, :m].double().transpose(0, 1)
         kb, vb = (t[b, :m].double().repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))
         i = torch.arange(m)
-        d = i[None, :] - i[:, None]
-        visible = (d >= -mask.left_bound) & (d <= mask.right_bound)
+        seen = visible(mask, i[:, None], i[None, :])
         s = (qb @ kb.transpose(1, 2)) / q.shape[-1] ** 0.5
-        out[b, :m] = (s.masked_fill(~visible, float("-inf")).softmax(-1) @ vb).transpose(0, 1)
+        out[b, :m] = (s.masked_fill(~seen, float("-inf")).softmax(-1) @ vb).transpose(0, 1)
     return out
 
 

@@ -27,7 +27,7 @@ from doccp import comm, kernels
 from doccp.algorithms.registry import Algorithm, Call, Shapes, register
 from doccp.algorithms.schedule import Geometry
 from doccp.algorithms.work import accumulators, attend_into, take_rows
-from doccp.kernels.runs import Runs, Work, clip_to_others, work
+from doccp.kernels.runs import Runs, Work, clip_to_others, keys_seen, work
 from doccp.kernels.slices import Slices
 from doccp.plan import Plan
 from doccp.plan.exchange import overlaps
@@ -51,16 +51,19 @@ def ring_blocks(plan: Plan) -> tuple[Pieces, torch.Tensor, torch.Tensor]:
     """Every rank's ring block in stream order, the row of each block interval within its
     rank's block, and every rank's block size (cached per plan).
 
-    Key ``j`` of a piece ``[a, b)`` is needed by another rank iff a foreign query lies in
-    ``[j - right, j + left]``; the nearest foreign tokens are ``a - 1`` (when ``a > 0``: pieces
-    of one rank never touch) and ``b`` (when ``b < L``), so the block part of a piece is its
-    first ``right`` keys and its last ``left`` keys, no exchange table needed."""
+    Key ``j`` of a piece ``[a, b)`` is needed by another rank iff a foreign query sees it. The
+    nearest foreign tokens are ``a - 1`` (when ``a > 0``: pieces of one rank never touch) and
+    ``b`` (when ``b < L``), and the mask is a monotone interval mask, so the block part of a
+    piece is its keys up to the last one query ``a - 1`` sees and from the first one query ``b``
+    sees (for a band: its first ``right`` and last ``left`` keys); no exchange table needed."""
     if plan in _blocks_of:
         return _blocks_of[plan]
     p, mask = plan.stream_pieces, plan.mask
     length = plan.layout.lengths[p.doc]
-    head_end = torch.where(p.start > 0, torch.minimum(p.end, p.start + mask.right_bound), p.start)
-    tail_start = torch.where(p.end < length, torch.maximum(p.start, p.end - mask.left_bound), p.end)
+    before = mask.visible_keys(p.start - 1, p.start, length)[1]
+    after = mask.visible_keys(p.end, p.end + 1, length)[0]
+    head_end = torch.where(p.start > 0, torch.minimum(p.end, torch.maximum(before, p.start)), p.start)
+    tail_start = torch.where(p.end < length, torch.maximum(p.start, torch.minimum(after, p.end)), p.end)
     joined = head_end >= tail_start
     lo = torch.stack([p.start, torch.where(joined, p.end, tail_start)], 1)
     hi = torch.stack([torch.where(joined, p.end, head_end), p.end], 1)
@@ -186,7 +189,7 @@ class RingKV(Algorithm):
         """Pass-KV over a KV cache: each rank's block is its cached keys some other rank's new
         queries can see (within the mask's reach of their hull), sent around the ring."""
         me, n, mask, seqs = cache.rank, cache.world_size, cache.mask, cache.num_seqs
-        lo, hi = queries.hull(n * seqs, queries.rank * seqs + queries.doc, mask.left_bound, mask.right_bound)
+        lo, hi = keys_seen(mask, *queries.hull(n * seqs, queries.rank * seqs + queries.doc))
         blocks = [clip_to_others(cache.runs.select(cache.runs.rank == s), lo, hi, s, n) for s in range(n)]
         local = queries.select(queries.rank == me)
         steps = [work(local, cache.local_runs(), mask)]

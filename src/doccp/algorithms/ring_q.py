@@ -22,7 +22,7 @@ import torch.distributed as dist
 from doccp import comm, kernels
 from doccp.algorithms.registry import Algorithm, register
 from doccp.algorithms.work import attend_work, take_rows
-from doccp.kernels.runs import Runs, Work, clip_to_others, work
+from doccp.kernels.runs import Runs, Work, clip_to_others, queries_seeing, work
 
 
 def exchange_partials(parts: list[tuple[torch.Tensor, torch.Tensor] | None], recv_rows: list[int],
@@ -81,7 +81,7 @@ class RingQ(Algorithm):
         cached keys can serve (within the mask's reach of their hull), sent around the ring."""
         me, n, mask, seqs = cache.rank, cache.world_size, cache.mask, cache.num_seqs
         keys = cache.runs
-        lo, hi = keys.hull(n * seqs, keys.rank * seqs + keys.doc, mask.right_bound, mask.left_bound)
+        lo, hi = queries_seeing(mask, *keys.hull(n * seqs, keys.rank * seqs + keys.doc))
         blocks = [clip_to_others(queries.select(queries.rank == s), lo, hi, s, n) for s in range(n)]
         local, own_keys = queries.select(queries.rank == me), cache.local_runs()
         steps = [work(local, own_keys, mask)]

@@ -69,7 +69,7 @@ class Workload:
     @property
     def generates(self) -> bool:
         """Whether the demo decodes: some tokens asked for, and a mask that never looks ahead."""
-        return self.decode_tokens > 0 and self.mask.right == 0
+        return self.decode_tokens > 0 and not self.mask.looks_ahead
 
     @property
     def layout(self) -> DocLayout:

@@ -63,11 +63,16 @@ def layer_mask(module: torch.nn.Module, sliding_window: int | None = None, is_ca
     """The doccp :class:`~doccp.Mask` of one transformers attention layer.
 
     transformers' window ``W`` lets a query see ``W`` keys including itself
-    (``kv > q - W``), which is doccp's ``sliding_window(W - 1)``.
+    (``kv > q - W``), which is doccp's ``sliding_window(W - 1)``. A ``"chunked_attention"`` layer
+    (Llama 4) is ``Mask.chunked(config.attention_chunk_size)``: chunks start at every document's
+    first token (transformers' own masks chunk a packed stream by its absolute index instead).
     """
     config = getattr(module, "config", None)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     causal = bool(causal) and getattr(config, "is_causal", True) is not False
+    layer_types, layer = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if causal and layer_types and layer is not None and layer_types[layer] == "chunked_attention":
+        return Mask.chunked(config.attention_chunk_size)  # each document chunked from its own start
     if sliding_window is None:
         return Mask.causal() if causal else Mask.full()
     if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:

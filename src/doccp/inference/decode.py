@@ -105,7 +105,7 @@ def _problem(q, k, v, cache, group, backend, scale) -> BaseException | None:
     if q.shape[0] != cache.num_seqs:
         return ValueError(f"sequence count mismatch: q has {q.shape[0]} rows (one new token per sequence) but the "
                           f"cache holds {cache.num_seqs} sequences")
-    if cache.mask.right != 0:
-        return ValueError(f"decode needs a mask that never looks ahead (right=0), but the cache was filled under "
-                          f"{cache.mask}")
+    if cache.mask.looks_ahead:
+        return ValueError(f"decode needs a mask that never looks ahead (causal, sliding_window(w) or chunked(s)), "
+                          f"but the cache was filled under {cache.mask}")
     return cache.fit_problem(k)

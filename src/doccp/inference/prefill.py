@@ -78,7 +78,7 @@ def _problem(q, k, v, plan, cache, group, algorithm, backend, scale) -> BaseExce
     problem = choice_problem(algorithm, "algorithm", ["auto", *prefilling()])
     if problem is not None:
         return problem
-    if plan.mask.right != 0:
-        return ValueError(f"prefill needs a mask that never looks ahead (right=0: causal or sliding_window(w)), got "
+    if plan.mask.looks_ahead:
+        return ValueError(f"prefill needs a mask that never looks ahead (causal, sliding_window(w) or chunked(s)), got "
                           f"{plan.mask}: a token cannot attend to tokens generated after it")
     return cache.problem(group, k, plan)

@@ -19,7 +19,7 @@ live in :mod:`doccp.interop.doc_packed_sharding`.
 
 The op is registered with ``torch.library`` as ``doccp::doc_packed_attn`` and
 ``doccp::doc_packed_attn_backward`` with fake kernels, so ``opcheck`` passes and
-``torch.compile(fullgraph=True)`` traces it. The mask travels as two ints (``-1`` = unbounded).
+``torch.compile(fullgraph=True)`` traces it. The mask travels as a list of ints (:meth:`Mask.spec`).
 The backward takes the forward's saved ``out`` and ``lse``: it never recomputes the forward.
 
 Kernels see one packed stream ``[B*S, H, D]``. On CUDA the device varlen kernel gets
@@ -38,7 +38,7 @@ from torch import Tensor
 from doccp import kernels
 from doccp.checks import mask_problem, qkv_problem, raise_if, scale_problem
 from doccp.layout import DocLayout
-from doccp.masks import Mask
+from doccp.masks import BandMask, Mask
 
 __all__ = ["doc_packed_attn"]
 
@@ -53,8 +53,7 @@ def doc_packed_attn(q: Tensor, k: Tensor, v: Tensor, cu_rows: Tensor, mask: Mask
     log-sum-exp ``[B, Hq, S]`` in fp32 (fp64 for fp64 inputs), e.g. to merge with other partials.
     """
     _check_inputs(q, k, v, cu_rows, mask, scale)
-    left, right = mask.window_size()
-    out, lse = doc_packed_attn_op(q, k, v, cu_rows, left, right, None if scale is None else float(scale))
+    out, lse = doc_packed_attn_op(q, k, v, cu_rows, mask.spec(), None if scale is None else float(scale))
     return (out, lse) if return_lse else out
 
 
@@ -74,17 +73,14 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_rows: Tensor, mask: Mask, 
 
 
 # -- kernels on the flattened stream ------------------------------------------------------
-def _mask(left: int, right: int) -> Mask:
-    return Mask(None if left < 0 else left, None if right < 0 else right)
-
-
 def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _device_kernels(q: Tensor) -> ModuleType | None:
-    """The CUDA backend's device-side varlen entry points, if present (else the host path)."""
-    if not q.is_cuda or q.dtype == torch.float64:
+def _device_kernels(q: Tensor, mask: Mask) -> ModuleType | None:
+    """The CUDA backend's device-side varlen entry points, if present and the mask is a band
+    (one flash window per call); else the host path."""
+    if not q.is_cuda or q.dtype == torch.float64 or not isinstance(mask, BandMask):
         return None
     try:
         from doccp.kernels import cuda
@@ -115,7 +111,7 @@ def _forward_flat(q: Tensor, k: Tensor, v: Tensor, cu_rows: Tensor, mask: Mask, 
     """``[B, S, H, D]`` inputs -> out ``[B*S, Hq, Dv]``, lse ``[Hq, B*S]``."""
     s = q.shape[1]
     qf, kf, vf = _flat(q, k, v)
-    device = _device_kernels(q)
+    device = _device_kernels(q, mask)
     if device is not None:
         cu = _device_cu_seqlens(cu_rows, s)
         return device.varlen_forward(qf, kf, vf, cu, cu, s, s, mask, scale)
@@ -127,7 +123,7 @@ def _backward_flat(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     """Flat dq, dk, dv given flat ``dout``/``out`` ``[B*S, Hq, Dv]`` and ``lse [Hq, B*S]``."""
     s = q.shape[1]
     qf, kf, vf = _flat(q, k, v)
-    device = _device_kernels(q)
+    device = _device_kernels(q, mask)
     if device is not None:
         cu = _device_cu_seqlens(cu_rows, s)
         return device.varlen_backward(dout, qf, kf, vf, out, lse, cu, cu, s, s, mask, scale)
@@ -148,16 +144,16 @@ def _lse_grad_stand_ins(dlse: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
 
 # -- the custom ops -----------------------------------------------------------------------
 @torch.library.custom_op("doccp::doc_packed_attn", mutates_args=())
-def doc_packed_attn_op(q: Tensor, k: Tensor, v: Tensor, cu_rows: Tensor, left: int, right: int,
+def doc_packed_attn_op(q: Tensor, k: Tensor, v: Tensor, cu_rows: Tensor, mask: list[int],
                        scale: float | None) -> tuple[Tensor, Tensor]:
-    """out ``[B, S, Hq, Dv]``, lse ``[B, Hq, S]``; the mask is ``(left, right)``, ``-1`` unbounded."""
+    """out ``[B, S, Hq, Dv]``, lse ``[B, Hq, S]``; ``mask`` is :meth:`doccp.Mask.spec`."""
     b, s, hq = q.shape[:3]
-    out, lse = _forward_flat(q, k, v, cu_rows, _mask(left, right), kernels.default_scale(q, scale))
+    out, lse = _forward_flat(q, k, v, cu_rows, Mask.from_spec(mask), kernels.default_scale(q, scale))
     return out.reshape(b, s, hq, v.shape[-1]).contiguous(), lse.reshape(hq, b, s).transpose(0, 1).contiguous()
 
 
 @doc_packed_attn_op.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, cu_rows: Tensor, left: int, right: int, scale: float | None
+def _(q: Tensor, k: Tensor, v: Tensor, cu_rows: Tensor, mask: list[int], scale: float | None
       ) -> tuple[Tensor, Tensor]:
     b, s, hq = q.shape[:3]
     return q.new_empty(b, s, hq, v.shape[-1]), q.new_empty(b, hq, s, dtype=_lse_dtype(q))
@@ -165,42 +161,42 @@ def _(q: Tensor, k: Tensor, v: Tensor, cu_rows: Tensor, left: int, right: int, s
 
 @torch.library.custom_op("doccp::doc_packed_attn_backward", mutates_args=())
 def doc_packed_attn_backward_op(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                                lse: Tensor, cu_rows: Tensor, left: int, right: int, scale: float | None
+                                lse: Tensor, cu_rows: Tensor, mask: list[int], scale: float | None
                                 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv from the saved ``out``/``lse``; ``dlse`` (optional) is the gradient through lse."""
     b, s, hq = q.shape[:3]
-    mask, scale_ = _mask(left, right), kernels.default_scale(q, scale)
+    mask_, scale_ = Mask.from_spec(mask), kernels.default_scale(q, scale)
     out_f, dout_f = _flat(out, dout)
     lse_f = lse.transpose(0, 1).reshape(hq, b * s)
-    dq, dk, dv = _backward_flat(dout_f, q, k, v, out_f, lse_f, cu_rows, mask, scale_)
+    dq, dk, dv = _backward_flat(dout_f, q, k, v, out_f, lse_f, cu_rows, mask_, scale_)
     if dlse is not None:
         e0, out_stand_in = _lse_grad_stand_ins(dlse.transpose(1, 2).reshape(b * s, hq), out_f)
-        dq_l, dk_l, _ = _backward_flat(e0, q, k, torch.zeros_like(v), out_stand_in, lse_f, cu_rows, mask, scale_)
+        dq_l, dk_l, _ = _backward_flat(e0, q, k, torch.zeros_like(v), out_stand_in, lse_f, cu_rows, mask_, scale_)
         dq, dk = dq + dq_l, dk + dk_l
     return tuple(g.reshape(t.shape).contiguous() for g, t in ((dq, q), (dk, k), (dv, v)))
 
 
 @doc_packed_attn_backward_op.register_fake
 def _(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-      cu_rows: Tensor, left: int, right: int, scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
+      cu_rows: Tensor, mask: list[int], scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, cu_rows, left, right, scale = inputs
+    q, k, v, cu_rows, mask, scale = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, cu_rows, out, lse)
-    ctx.mask_scale = (left, right, scale)
+    ctx.mask_scale = (mask, scale)
     ctx.set_materialize_grads(False)  # an unused lse (or out) sends None: no extra kernel call
 
 
 def _backward(ctx, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
     q, k, v, cu_rows, out, lse = ctx.saved_tensors
     if dout is None and dlse is None:
-        return (None,) * 7
+        return (None,) * 6
     dout = torch.zeros_like(out) if dout is None else dout
     dq, dk, dv = doc_packed_attn_backward_op(dout, dlse, q, k, v, out, lse, cu_rows, *ctx.mask_scale)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None
 
 
 doc_packed_attn_op.register_autograd(_backward, setup_context=_setup_context)

@@ -5,6 +5,8 @@ flash kernel), ``cuda`` (flash varlen). ``auto`` picks the best one for the tens
 Shapes: q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` with ``Hq % Hkv == 0``; out ``[Tq, Hq, D]``
 in q's dtype, lse ``[Hq, Tq]`` in fp32 (fp64 for fp64 inputs). The backward takes the
 *final* (merged) out and lse, so a distributed backward never recomputes the forward.
+Backends see band masks only (:class:`~doccp.masks.BandMask`); :func:`attend` rewrites the
+slices of any other mask into band parts (:meth:`~doccp.masks.Mask.bands`).
 """
 
 from __future__ import annotations
@@ -59,26 +61,40 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slices: Slices, ma
            scale: float | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention of the query rows over the slices; rows in no slice get 0 / -inf.
 
-    Any strides are fine (a tensor whose last dimension is not dense is copied once). On host
-    CPU tensors, NaN/inf inputs poison exactly the rows that see them (:mod:`.nonfinite`)."""
+    The backends know band masks only: any other mask first rewrites the slices as band-masked
+    parts (:meth:`Mask.bands`), whose partial results merge by log-sum-exp. Any strides are
+    fine (a tensor whose last dimension is not dense is copied once). On CPU tensors, NaN/inf
+    inputs poison exactly the rows that see them (:mod:`.nonfinite`)."""
     q, k, v = dense_last(q), dense_last(k), dense_last(v)
-    forward = BACKENDS[resolve_backend(backend, q)][0]
-    if q.device.type == "cpu" and not nonfinite.all_finite(q, k, v):  # (on a GPU the check would sync)
-        out, lse = forward(*nonfinite.zeroed(q, k, v), slices, mask, default_scale(q, scale))
-        return nonfinite.poison(out, lse, q, k, v, slices, mask)
-    return forward(q, k, v, slices, mask, default_scale(q, scale))
+    forward, scale = BACKENDS[resolve_backend(backend, q)][0], default_scale(q, scale)
+    parts = mask.bands(slices)
+    poisoned = q.device.type == "cpu" and not nonfinite.all_finite(q, k, v)  # (on a GPU the check would sync)
+    inputs = nonfinite.zeroed(q, k, v) if poisoned else (q, k, v)
+    out, lse = forward(*inputs, *parts[0], scale)
+    for part_slices, band in parts[1:]:
+        out, lse = merge(out, lse, *forward(*inputs, part_slices, band, scale))
+        out = out.to(q.dtype)
+    for part_slices, band in parts if poisoned else ():
+        out, lse = nonfinite.poison(out, lse, q, k, v, part_slices, band)
+    return out, lse
 
 
 def attend_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, slices: Slices, mask: Mask,
                     scale: float | None = None, backend: str = "auto"
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of the slices' contribution, given the final out and lse of the rows."""
+    """dq, dk, dv of the slices' contribution, given the final out and lse of the rows (summed
+    over the band parts of the mask, like the forward)."""
     dout, q, k, v, out = (dense_last(x) for x in (dout, q, k, v, out))
     if q.device.type == "cpu" and not nonfinite.all_finite(q, k, v):  # poisoned rows carry NaN in out/lse
         q, k, v = nonfinite.zeroed(q, k, v)
-    return BACKENDS[resolve_backend(backend, q)][1](
-        dout, q, k, v, out, lse, slices, mask, default_scale(q, scale))
+    backward, scale = BACKENDS[resolve_backend(backend, q)][1], default_scale(q, scale)
+    parts = mask.bands(slices)
+    grads = backward(dout, q, k, v, out, lse, *parts[0], scale)
+    for part_slices, band in parts[1:]:
+        grads = tuple(a + b for a, b in zip(grads, backward(dout, q, k, v, out, lse, part_slices, band, scale),
+                                            strict=True))
+    return grads
 
 
 def dense_last(x: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ import torch
 
 from doccp.kernels.merge import merge_rows
 from doccp.kernels.slices import Slices, trim
-from doccp.masks import Mask
+from doccp.masks import BandMask
 from doccp.ranges import expand, repeat
 
 _FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -77,7 +77,7 @@ def split_rows(slices: Slices, which: torch.Tensor, height: int) -> Slices:
     return Slices(qs, qe, slices.k_start[idx], slices.k_end[idx], slices.q_pos0[idx] + offset, slices.k_pos0[idx])
 
 
-def _diagonals(s: Slices, mask: Mask) -> tuple[torch.Tensor, torch.Tensor]:
+def _diagonals(s: Slices, mask: BandMask) -> tuple[torch.Tensor, torch.Tensor]:
     """Row ``i`` of a slice sees keys ``[i + lo, i + hi]`` (relative to the slice)."""
     d = s.q_pos0 - s.k_pos0
     return d - mask.left_bound, d + mask.right_bound
@@ -97,7 +97,7 @@ class Calls:
     hi: torch.Tensor
 
     @classmethod
-    def of(cls, slices: Slices, mask: Mask) -> Calls:
+    def of(cls, slices: Slices, mask: BandMask) -> Calls:
         """Cut slices into R / C / M calls (module docstring); exact for any band mask."""
         s = trim(slices, mask)
         m = s.q_end - s.q_start
@@ -229,7 +229,7 @@ def _buffer(like: torch.Tensor, shape: tuple[int, ...], coverage: str, fill: flo
     return like.new_full(shape, fill)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slices: Slices, mask: Mask, scale: float
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slices: Slices, mask: BandMask, scale: float
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """out ``[Tq, Hq, D]`` (q's dtype), lse ``[Hq, Tq]`` (fp32); rows in no slice: 0 / -inf."""
     _check(q)
@@ -255,7 +255,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slices: Slices, ma
 
 
 def attend_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, slices: Slices, mask: Mask, scale: float
+                    lse: torch.Tensor, slices: Slices, mask: BandMask, scale: float
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of the slices, from the final (merged) out and lse of the query rows."""
     _check(q)

@@ -28,7 +28,7 @@ import torch
 
 from doccp.kernels.merge import merge_rows
 from doccp.kernels.slices import Slices, trim
-from doccp.masks import Mask
+from doccp.masks import BandMask
 from doccp.ranges import expand
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -64,7 +64,7 @@ def _check(q: torch.Tensor) -> None:
 
 # -- device-side entry points (no host sync) ------------------------------------------------
 def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                   cu_seqlens_k: torch.Tensor, max_q: int, max_k: int, mask: Mask, scale: float | None = None
+                   cu_seqlens_k: torch.Tensor, max_q: int, max_k: int, mask: BandMask, scale: float | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query sequence to its key sequence; ``cu_seqlens_*`` on q's device.
 
@@ -78,7 +78,7 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
 
 def varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_q: int,
-                    max_k: int, mask: Mask, scale: float | None = None
+                    max_k: int, mask: BandMask, scale: float | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of :func:`varlen_forward`, given its (or a merged, final) out and lse."""
     return _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, mask.window_size(),
@@ -140,7 +140,7 @@ def _take(x: torch.Tensor, index: torch.Tensor | None, dim: int = 0) -> torch.Te
     return x if index is None else x.index_select(dim, index)
 
 
-def _groups(slices: Slices, mask: Mask, q_rows: int, k_rows: int, device) -> list[_Group]:
+def _groups(slices: Slices, mask: BandMask, q_rows: int, k_rows: int, device) -> list[_Group]:
     """Trimmed slices grouped by their flash window (module docstring)."""
     s = trim(slices, mask)
     if not len(s):
@@ -156,7 +156,7 @@ def _groups(slices: Slices, mask: Mask, q_rows: int, k_rows: int, device) -> lis
             for g, (wl, wr) in enumerate(windows.tolist())]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slices: Slices, mask: Mask, scale: float
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slices: Slices, mask: BandMask, scale: float
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """out ``[Tq, Hq, D]``, lse ``[Hq, Tq]`` fp32; one varlen call per distinct window."""
     _check(q)
@@ -177,7 +177,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slices: Slices, ma
 
 
 def attend_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, slices: Slices, mask: Mask, scale: float
+                    lse: torch.Tensor, slices: Slices, mask: BandMask, scale: float
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of the slices, from the final (merged) out and lse; fp32 accumulation."""
     _check(q)

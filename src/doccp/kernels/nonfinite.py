@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from doccp.kernels.slices import Slices
-from doccp.masks import Mask
+from doccp.masks import BandMask
 from doccp.ranges import repeat
 
 
@@ -31,7 +31,7 @@ def zeroed(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 
 def poison(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           slices: Slices, mask: Mask) -> tuple[torch.Tensor, torch.Tensor]:
+           slices: Slices, mask: BandMask) -> tuple[torch.Tensor, torch.Tensor]:
     """``out [Tq, Hq, D]`` and ``lse [Hq, Tq]`` with NaN in the rows that see a non-finite input."""
     hq, hkv = q.shape[1], k.shape[1]
     bad_kv = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [Tk, Hkv]

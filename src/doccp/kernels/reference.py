@@ -6,15 +6,14 @@ import torch
 
 from doccp.kernels.merge import merge_into
 from doccp.kernels.slices import Slices
-from doccp.masks import Mask
+from doccp.masks import BandMask
 
 
-def _visible(slice_row, mask: Mask, device) -> torch.Tensor:
+def _visible(slice_row, mask: BandMask, device) -> torch.Tensor:
     qs, qe, ks, ke, qp, kp = slice_row
     qpos = qp + torch.arange(qe - qs, device=device)
     kpos = kp + torch.arange(ke - ks, device=device)
-    d = kpos[None, :] - qpos[:, None]
-    return (d >= -mask.left_bound) & (d <= mask.right_bound)
+    return mask.allows(qpos[:, None], kpos[None, :])
 
 
 def _scores(q, k, row, scale):
@@ -25,7 +24,7 @@ def _scores(q, k, row, scale):
     return torch.einsum("mhgd,nhd->hgmn", qg, k[ks:ke]) * scale
 
 
-def attend(q, k, v, slices: Slices, mask: Mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def attend(q, k, v, slices: Slices, mask: BandMask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
     t, hq, d = q.shape
@@ -44,7 +43,7 @@ def attend(q, k, v, slices: Slices, mask: Mask, scale: float) -> tuple[torch.Ten
     return out.to(q.dtype), lse.to(torch.float64 if compute == torch.float64 else torch.float32)
 
 
-def attend_backward(dout, q, k, v, out, lse, slices: Slices, mask: Mask, scale: float):
+def attend_backward(dout, q, k, v, out, lse, slices: Slices, mask: BandMask, scale: float):
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
     doc_, outc = dout.to(compute), out.to(compute)

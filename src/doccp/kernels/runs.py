@@ -111,13 +111,12 @@ class Runs:
         one = torch.ones_like(index)
         return Runs(self.rank[index], self.doc[index], self.rows(), self.positions(), one, one)
 
-    def hull(self, size: int, key: torch.Tensor | None = None, below: int = 0, above: int = 0
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per ``key`` (default: doc) in ``[0, size)``: ``[min pos - below, max end + above)``;
-        ``(BIG, -BIG)`` where no run has that key."""
+    def hull(self, size: int, key: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per ``key`` (default: doc) in ``[0, size)``: ``[min pos, max end)``; ``(BIG, -BIG)``
+        where no run has that key."""
         key = self.doc if key is None else key
-        lo = torch.full((size,), BIG, dtype=torch.int64).scatter_reduce(0, key, self.pos - below, "amin")
-        hi = torch.full((size,), -BIG, dtype=torch.int64).scatter_reduce(0, key, self.end + above, "amax")
+        lo = torch.full((size,), BIG, dtype=torch.int64).scatter_reduce(0, key, self.pos, "amin")
+        hi = torch.full((size,), -BIG, dtype=torch.int64).scatter_reduce(0, key, self.end, "amax")
         return lo, hi
 
     @property
@@ -143,6 +142,17 @@ class Runs:
         return pair_slices(self.doc, self.row, self.pos, self.length, keys.doc, keys.row, keys.pos, keys.length, mask)
 
 
+def keys_seen(mask: Mask, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hull of the keys the queries of the hulls ``[lo, hi)`` see: the first query's first key
+    to the last query's last (a monotone interval mask); empty hulls stay empty."""
+    return mask.visible_keys(lo, lo + 1, BIG)[0], mask.visible_keys(hi - 1, hi, BIG)[1]
+
+
+def queries_seeing(mask: Mask, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hull of the queries that see some key of the hulls ``[lo, hi)``; empty hulls stay empty."""
+    return mask.visible_queries(lo, lo + 1, BIG)[0], mask.visible_queries(hi - 1, hi, BIG)[1]
+
+
 def clip_to_others(runs: Runs, lo: torch.Tensor, hi: torch.Tensor, rank: int, n: int) -> Runs:
     """``runs`` of ``rank`` clipped, per sequence, to the hull ``[lo, hi)`` of all *other* ranks
     (``lo``/``hi`` are ``[n * seqs]`` hulls per (rank, sequence)): what of them another rank can use."""
@@ -155,9 +165,10 @@ def work(queries: Runs, keys: Runs, mask: Mask) -> Work:
     """Exact kernel work of query runs (stride 1) against key runs of the same documents.
 
     Dense keys get masked slices. Strided keys are split by what the queries of their
-    document (their hull ``[qlo, qhi)``) see: keys in ``[qhi-1-left, qlo+right]`` are seen by
-    every query and get one unmasked slice per run; keys seen by only some queries are
-    taken one by one (masked); keys seen by none are dropped.
+    document (their hull ``[qlo, qhi)``) see: keys from the last query's first visible key to
+    the first query's last one are seen by every query (the mask is a monotone interval mask)
+    and get one unmasked slice per run; keys seen by only some queries are taken one by one
+    (masked); keys seen by none are dropped.
     """
     if not len(queries) or not len(keys):
         return []
@@ -166,9 +177,9 @@ def work(queries: Runs, keys: Runs, mask: Mask) -> Work:
     strided = keys.select(~keys.dense)
     strided = strided.select(qhi[strided.doc] > qlo[strided.doc])
     lo, hi = qlo[strided.doc], qhi[strided.doc]
-    seen_lo, seen_hi = lo - mask.left_bound, hi + mask.right_bound
-    full_lo = hi - 1 - mask.left_bound
-    full_hi = torch.maximum(lo + mask.right_bound + 1, full_lo)
+    seen_lo, first_hi = mask.visible_keys(lo, lo + 1, BIG)
+    full_lo, seen_hi = mask.visible_keys(hi - 1, hi, BIG)
+    full_hi = torch.maximum(torch.as_tensor(first_hi), torch.as_tensor(full_lo))
     exact = Runs.cat([keys.select(keys.dense), strided.clip(seen_lo, full_lo).explode(),
                       strided.clip(full_hi, seen_hi).explode()])
     full = strided.clip(full_lo, full_hi)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from doccp.masks import Mask
+from doccp.masks import BandMask, Mask
 from doccp.ranges import expand, repeat
 
 FIELDS = ("q_start", "q_end", "k_start", "k_end", "q_pos0", "k_pos0")
@@ -91,11 +91,11 @@ def pair_slices(q_doc: torch.Tensor, q_row: torch.Tensor, q_pos: torch.Tensor, q
     ki = expand(first, count)
     qp0, qp1 = q_pos[qi], q_pos[qi] + q_len[qi]
     kp0, kp1 = k_pos[ki], k_pos[ki] + k_len[ki]
-    # keys some query can see, and queries that can see some key
+    # keys some query can see, and queries that can see some key (hulls: the kernels mask exactly)
     lo, hi = mask.visible_keys(qp0, qp1, kp1)
     lo = torch.maximum(lo, kp0)
-    qlo = torch.maximum(qp0, lo - mask.right_bound)
-    qhi = torch.minimum(qp1, hi + mask.left_bound)
+    qlo, qhi = mask.visible_queries(lo, hi, qp1)
+    qlo, qhi = torch.maximum(qp0, qlo), torch.minimum(qp1, qhi)
     keep = (hi > lo) & (qhi > qlo)
     qi, ki, lo, hi, qlo, qhi = (t[keep] for t in (qi, ki, lo, hi, qlo, qhi))
     q0 = q_row[qi] + (qlo - q_pos[qi])
@@ -103,10 +103,11 @@ def pair_slices(q_doc: torch.Tensor, q_row: torch.Tensor, q_pos: torch.Tensor, q
     return Slices(q0, q0 + (qhi - qlo), k0, k0 + (hi - lo), qlo, lo)
 
 
-def trim(slices: Slices, mask: Mask) -> Slices:
-    """Shrink every slice to the query rows that see some key and the keys some row sees;
-    drop empty slices. Afterwards every row of a slice sees at least one of its keys, so no
-    kernel call has an empty row (the cpu kernel would report lse 0 there, flash +inf)."""
+def trim(slices: Slices, mask: BandMask) -> Slices:
+    """Shrink every slice to the query rows that see some key and the keys some row sees (under
+    a band: the kernels' own geometry); drop empty slices. Afterwards every row of a slice sees
+    at least one of its keys, so no kernel call has an empty row (the cpu kernel would report
+    lse 0 there, flash +inf)."""
     m, n = slices.q_end - slices.q_start, slices.k_end - slices.k_start
     qp, kp = slices.q_pos0, slices.k_pos0
     k_lo = torch.maximum(kp, qp - mask.left_bound)

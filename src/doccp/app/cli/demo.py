@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=4, metavar="N",
                    help="CP ranks to spawn (default: %(default)s; under torchrun its WORLD_SIZE is used)")
     p.add_argument("--mask", default="causal", metavar="MASK",
-                   help="attention mask: causal, full or window:LEFT[,RIGHT] (default: %(default)s)")
+                   help="attention mask: causal, full, window:LEFT[,RIGHT] or chunked:SIZE (default: %(default)s)")
     p.add_argument("--strategy", default="balanced", choices=sorted(STRATEGIES),
                    help="plan used for the model runs; the table shows all (default: %(default)s)")
     p.add_argument("--algorithms", default=",".join(training()), metavar="LIST",

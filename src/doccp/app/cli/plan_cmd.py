@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths-file", metavar="FILE",
                    help="file of document lengths separated by commas, spaces or newlines ('#' starts a comment)")
     p.add_argument("--world-size", "-n", metavar="N", default="2", help="number of CP ranks (default: 2)")
-    p.add_argument("--mask", default="causal", help="causal, full or window:LEFT[,RIGHT] (default: causal)")
+    p.add_argument("--mask", default="causal",
+                   help="causal, full, window:LEFT[,RIGHT] or chunked:SIZE (default: causal)")
     p.add_argument("--strategy", default="balanced",
                    help=f"one of {', '.join(sorted(STRATEGIES))}, or 'all' to compare them (default: balanced)")
     p.add_argument("--plot", metavar="OUT.png",
