@@ -12,7 +12,13 @@ import torch.distributed as dist
 
 from doccp import comm
 from doccp.agreement import agree, describe_plan
-from doccp.algorithms import allgather, hybrid, ring_kv, ring_q, ulysses  # noqa: F401  (each registers itself)
+
+# Each module registers its algorithm on import, so this order is the registry's: the order of ``auto``'s ties,
+# the demo and the benchmarks (the token-splitting algorithms first, then the head-splitting ones).
+# isort: off
+from doccp.algorithms import allgather, ring_kv, ring_q, ulysses, hybrid  # noqa: F401
+# isort: on
+
 from doccp.algorithms.registry import ALGORITHMS, Call, CPAttention, Shapes, schedule_of, training
 from doccp.checks import choice_problem, first, qkv_problem, scale_problem
 from doccp.comm import HybridGroup
