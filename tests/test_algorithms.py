@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+import torch.distributed as dist
 from oracle import dense_attention, expect_errors, random_lengths
 
 import doccp
@@ -34,19 +35,29 @@ class Case(NamedTuple):
     mask: Mask
     algorithm: str
     heads: tuple[int, int]  # query heads, KV heads
-    group: str | None  # None: the default group; else a key of GROUPS (a HybridGroup)
+    group: str | None  # None: the default group; else a key of GROUPS
     seed: int
 
 
-def hybrid_group(spec: str) -> doccp.HybridGroup:
-    """``"u2"``: ``HybridGroup.create(2)``; ``"mesh u2"``: the same from a 2-D DeviceMesh."""
-    u = int(spec.split("u")[-1])
-    if spec.startswith("mesh"):
-        from torch.distributed.device_mesh import init_device_mesh
+#: Groups of 8 ranks split into two CP groups of 4 (data parallel 2 x CP 4).
+DP2 = [[0, 1, 2, 3], [4, 5, 6, 7]]
 
-        n = torch.distributed.get_world_size()
-        return doccp.HybridGroup.from_mesh(init_device_mesh("cpu", (n // u, u), mesh_dim_names=("across", "ulysses")))
-    return doccp.HybridGroup.create(u)
+
+def mesh_group(world_size: int, ulysses_size: int) -> doccp.HybridGroup:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size // ulysses_size, ulysses_size), mesh_dim_names=("across", "ulysses"))
+    return doccp.HybridGroup.from_mesh(mesh)
+
+
+#: The CP groups cases run on (every process of the world makes each, in the same order).
+GROUPS = {
+    "u2": lambda n: doccp.HybridGroup.create(2),
+    "u4": lambda n: doccp.HybridGroup.create(4),
+    "mesh u2": lambda n: mesh_group(n, 2),
+    "dp2": lambda n: dist.new_subgroups_by_enumeration(DP2)[0],  # a plain CP group of 4 (of 8 ranks)
+    "dp2 u2": lambda n: doccp.HybridGroup.create(2, cp_groups=DP2),  # each CP group of 4 as 2 x 2
+}
 
 
 def layouts(world_size: int) -> list[list[int]]:
@@ -71,21 +82,22 @@ def full_inputs(layout: DocLayout, heads: tuple[int, int], seed: int) -> list[to
 
 
 def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
-    """Worker: every case on this rank; local results, bytes received and the bytes predicted."""
-    groups = {spec: hybrid_group(spec) for spec in sorted({c.group for c in cases if c.group})}
+    """Worker: every case on this rank; local results, bytes received and predicted, CP rank and size."""
+    groups = {spec: GROUPS[spec](world_size) for spec in sorted({c.group for c in cases if c.group})}
     results = []
     for c in cases:
         layout = DocLayout.from_lengths(c.lengths)
-        plan = doccp.plan(layout, world_size, c.mask, c.strategy)
         group = groups.get(c.group)
-        q, k, v, dout = (doccp.shard(x.float(), plan, rank).requires_grad_() for x in full_inputs(layout, c.heads,
-                                                                                                   c.seed))
+        me, n = comm.rank(group), comm.size(group)
+        plan = doccp.plan(layout, n, c.mask, c.strategy)
+        q, k, v, dout = (doccp.shard(x.float(), plan, me).requires_grad_() for x in full_inputs(layout, c.heads,
+                                                                                                 c.seed))
         with comm.measure() as fwd:
             out, lse = doccp.attention(q, k, v, plan, group=group, algorithm=c.algorithm, return_lse=True)
         out.backward(dout.detach())
         shapes = Shapes.of(q, k)
         ran = choose_algorithm(plan, shapes, q.device, group) if c.algorithm == "auto" else c.algorithm
-        results.append({"out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad,
+        results.append({"out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad, "me": me, "n": n,
                         "recv": fwd.received, "predicted": predicted_bytes(plan, ran, shapes, group)})
     return results
 
@@ -93,21 +105,24 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
 def check(results_per_rank: list[list[dict]], cases: list[Case], world_size: int) -> None:
     for i, c in enumerate(cases):
         layout = DocLayout.from_lengths(c.lengths)
-        plan = doccp.plan(layout, world_size, c.mask, c.strategy)
+        n = results_per_rank[0][i]["n"]
+        plan = doccp.plan(layout, n, c.mask, c.strategy)
         q, k, v, dout = full_inputs(layout, c.heads, c.seed)
         q, k, v = (x.float().double().requires_grad_() for x in (q, k, v))
         ref_out, ref_lse = dense_attention(q, k, v, layout, c.mask)
         ref_out.backward(dout.float().double())
         what = f"case {i}: N={world_size} {c}"
-        for r in range(world_size):
-            got, idx = results_per_rank[r][i], plan.indices(r)
+        assert sorted(results[i]["me"] for results in results_per_rank) == sorted(list(range(n)) * (world_size // n))
+        for r in range(world_size):  # a world rank; its CP rank in its CP group
+            got = results_per_rank[r][i]
+            me, idx = got["me"], plan.indices(got["me"])
             torch.testing.assert_close(got["out"].double(), ref_out[idx].detach(), atol=2e-5, rtol=0, msg=what)
             finite = torch.isfinite(ref_lse[:, idx])
             assert torch.equal(torch.isfinite(got["lse"]), finite), what
             torch.testing.assert_close(got["lse"].double()[finite], ref_lse[:, idx][finite], atol=2e-5, rtol=0)
             for name, ref in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
                 torch.testing.assert_close(got[name].double(), ref[idx], atol=1e-4, rtol=0, msg=f"{what} {name}")
-            assert got["recv"] == got["predicted"][r], f"{what}: bytes received on rank {r}"
+            assert got["recv"] == got["predicted"][me], f"{what}: bytes received on rank {r}"
             assert got["predicted"] == results_per_rank[0][i]["predicted"], f"{what}: ranks predict differently"
 
 
@@ -149,11 +164,14 @@ def test_world_size_4_ulysses_and_hybrid_2x2():
 def test_world_size_8_ulysses_and_hybrid_2x4():
     # GQA 8:1 (one KV head on 8 ranks) and 4:1; hybrid with Ulysses groups of 2 (x 4) and of 4 (x 2).
     long = [0, 37, 5, 1, 0, 60]
-    cases = [Case(long, strategy, mask, algorithm, heads, group, 1) for strategy, mask, (algorithm, group), heads
-             in itertools.product(["head_tail", "balanced"], [Mask.causal(), Mask.chunked(6)],
-                                  [("ulysses", None), ("hybrid", "u2"), ("hybrid", "u4")], [(8, 1), (8, 2)])]
+    cases = [Case(long, strategy, mask, algorithm, heads, group, 1) for strategy, (mask, heads), (algorithm, group)
+             in itertools.product(["head_tail", "balanced"], [(Mask.causal(), (8, 1)), (Mask.chunked(6), (8, 2))],
+                                  [("ulysses", None), ("hybrid", "u2"), ("hybrid", "u4")])]
     cases += [Case([1, 0, 2], "balanced", Mask.sliding_window(2, 1), algorithm, (8, 1), group, 2)
               for algorithm, group in [("ulysses", None), ("hybrid", "u2")]]
+    # Data parallel 2 x CP 4: Ulysses on a process group of 4 of the 8 ranks, the hybrid 2 x 2 inside each.
+    cases += [Case(long, "balanced", Mask.causal(), algorithm, (4, 2), group, 3)
+              for algorithm, group in [("ulysses", "dp2"), ("hybrid", "dp2 u2")]]
     spawn_and_check(8, cases)
 
 
