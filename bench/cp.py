@@ -187,8 +187,9 @@ def main(argv: list[str] | None = None) -> None:
           "Speedup = one process (`varlen_attention`, all cores; mean of its medians before and after the CP "
           "runs) / CP time. "
           "Recv = bytes the busiest rank receives in the forward pass (K and V for the all-gather and ring; q, k, v "
-          "and out + lse for the all-to-all of Ulysses and the hybrid), also / a full all-gather of K and V. The "
-          f"hybrid runs on Ulysses groups of N/2 ranks (from 4 ranks on); `-`: the algorithm cannot run there.\n")
+          "and out + lse for the all-to-all of Ulysses and the hybrid), also / a full all-gather of K and V. At 4 "
+          "ranks and more the CP group is a `HybridGroup` of Ulysses groups of N/2 ranks (2 x 2 at 4), so the "
+          "hybrid runs (and `auto` weighs it) only there.\n")
     rows, checks, flex_rows, scaling, autos = [], [], [], [], []
     for mix, layouts in mixes.items():
         lengths = crop(layouts[0], tokens)
