@@ -190,6 +190,7 @@ def run_bad_input(rank: int, world_size: int) -> list[str]:
         "KV heads not replicable": lambda: call(12, 3, "ulysses"),
         "hybrid heads": lambda: call(6, 3, "hybrid", hybrid),
         "hybrid without HybridGroup": lambda: call(4, 1, "hybrid"),
+        "swapped groups": lambda: call(4, 1, "hybrid", doccp.HybridGroup(None, hybrid.across, hybrid.ulysses)),
     }
     return expect_errors(calls, rank)
 
@@ -199,11 +200,12 @@ def test_bad_heads_raise_the_same_error_on_every_rank():
     # Ranks other than the one that found the problem say who reported it; the error is the same.
     results = [[re.sub(r" \(reported by rank \d+ of the group\)$", "", m) for m in messages] for messages in results]
     assert all(messages == results[0] for messages in results), results
-    heads, kv, hybrid, no_group = results[0]
+    heads, kv, hybrid, no_group, swapped = results[0]
     assert "6 query heads are not a multiple of 4" in heads and "algorithm='allgather'" in heads
     assert "3 KV heads neither split over 4 ranks nor replicate" in kv
     assert "3 KV heads neither split over 2 ranks" in hybrid and "Ulysses group" in hybrid
     assert "needs group=doccp.HybridGroup" in no_group
+    assert "do not factor its whole group [0, 1, 2, 3] as Ulysses groups of consecutive ranks" in swapped
 
 
 def test_auto_chooses_ulysses_where_the_kv_exchange_is_heavy():
