@@ -1,10 +1,13 @@
 """Distributed CP attention on CPU gloo ranks vs one process, side by side in one run.
 
-For the first layout of each mix (cropped to T tokens): fwd+bwd time of every algorithm x
-strategy at 2 and 4 ranks, the speedup over one process running ``varlen_attention`` on
-the whole stream (all cores), and the KV bytes each rank receives vs a full all-gather of
-K and V. Torch threads per rank = cores / ranks. Optionally PyTorch's FlexAttention CP
-(forward only on CPU) on the same inputs, next to
+For the first layout of each mix (cropped to T tokens): fwd+bwd time of every training
+algorithm of the registry x strategy at 2 and 4 ranks, the speedup over one process running
+``varlen_attention`` on the whole stream (all cores), the bytes each rank receives in the
+forward pass (absolute, and vs a full all-gather of K and V), and which algorithm ``auto``
+picks for each mix, ranks and strategy next to the fastest one measured. The hybrid runs on a
+``HybridGroup`` of Ulysses groups of N/2 ranks (2 x 2 at 4 ranks; it needs N >= 4), which every
+algorithm at that N shares, so ``auto`` weighs the hybrid too. Torch threads per rank = cores /
+ranks. Optionally PyTorch's FlexAttention CP (forward only on CPU) on the same inputs, next to
 doccp's forward-only time.
 
     python bench/cp.py            # full run
@@ -24,6 +27,8 @@ import torch.distributed as dist
 
 import doccp
 from doccp import DocLayout, Mask, comm
+from doccp.algorithms import choose_algorithm, training
+from doccp.algorithms.registry import Shapes
 from doccp.app import workloads
 from doccp.launch import spawn
 
@@ -71,21 +76,36 @@ def single(rank: int, lengths: list[int], repeats: int) -> float:
     return timed(step, repeats, barrier=False)
 
 
+def cp_group(world_size: int) -> doccp.HybridGroup | None:
+    """Ulysses groups of N/2 ranks (2 x 2 at 4 ranks), or None where N cannot be factored."""
+    return doccp.HybridGroup.create(world_size // 2) if world_size >= 4 and world_size % 2 == 0 else None
+
+
 def distributed(rank: int, world_size: int, lengths: list[int], configs: list[tuple[str, str]], repeats: int):
+    """Per config: (fwd+bwd s, bytes received in the forward, full K/V all-gather bytes, fwd s),
+    or None where the algorithm cannot run here; per strategy: the algorithm ``auto`` picks."""
     layout = DocLayout.from_lengths(lengths)
     full = inputs(layout.num_tokens)
+    group = cp_group(world_size)
+    shapes = Shapes(H, HKV, D, 4)
     results = {}
+    for strategy in dict.fromkeys(s for s, _ in configs):
+        plan = doccp.plan(layout, world_size, Mask.causal(), strategy)
+        results[(strategy, "auto")] = choose_algorithm(plan, shapes, "cpu", group)
     for strategy, algorithm in configs:
         plan = doccp.plan(layout, world_size, Mask.causal(), strategy)
+        if training()[algorithm].for_group(group).problem(plan, shapes, group) is not None:
+            results[(strategy, algorithm)] = None
+            continue
         q, k, v, dout = (doccp.shard(x, plan, rank) for x in full)
         q, k, v = (x.requires_grad_() for x in (q, k, v))
 
         def step(plan=plan, q=q, k=k, v=v, dout=dout, algorithm=algorithm):
-            out = doccp.attention(q, k, v, plan, algorithm=algorithm)
+            out = doccp.attention(q, k, v, plan, group=group, algorithm=algorithm)
             out.backward(dout)
 
         def forward(plan=plan, q=q, k=k, v=v, algorithm=algorithm):
-            doccp.attention(q.detach(), k.detach(), v.detach(), plan, algorithm=algorithm)
+            doccp.attention(q.detach(), k.detach(), v.detach(), plan, group=group, algorithm=algorithm)
 
         seconds = timed(step, repeats, barrier=True)
         with torch.no_grad():
@@ -150,14 +170,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--no-flex", action="store_true", help="skip the FlexAttention CP baseline")
     ap.add_argument("--only", default="", help="comma-separated mix names (default: all)")
+    ap.add_argument("--ranks", default="", help="comma-separated world sizes (default 2,4; quick 2)")
     args = ap.parse_args(argv)
     tokens = args.tokens or (8192 if args.quick else 32768)
     repeats = args.repeats or (2 if args.quick else 3)
-    world_sizes = [2] if args.quick else [2, 4]
+    world_sizes = [int(n) for n in args.ranks.split(",")] if args.ranks else [2] if args.quick else [2, 4]
     cores = os.cpu_count() or 1
     names = args.only.split(",") if args.only else workloads.SHARED_MIXES
     mixes = {name: workloads.layouts(name, count=1) for name in names}
-    configs = [(s, a) for s in ("head_tail", "balanced") for a in ("allgather", "ring_kv")]
+    configs = [(s, a) for s in ("head_tail", "balanced") for a in training()]
 
     cmd = " ".join(["python bench/cp.py", *(sys.argv[1:] if argv is None else argv)])
     print("## Distributed CP attention (training, fwd+bwd)\n")
@@ -165,8 +186,11 @@ def main(argv: list[str] | None = None) -> None:
           f"gloo on {cores} CPU cores, torch threads per rank = cores / ranks, median of {repeats}. "
           "Speedup = one process (`varlen_attention`, all cores; mean of its medians before and after the CP "
           "runs) / CP time. "
-          "KV recv = bytes of K and V a rank receives in the forward pass / a full all-gather of K and V.\n")
-    rows, checks, flex_rows, scaling = [], [], [], []
+          "Recv = bytes the busiest rank receives in the forward pass (K and V for the all-gather and ring; q, k, v "
+          "and out + lse for the all-to-all of Ulysses and the hybrid), also / a full all-gather of K and V. At 4 "
+          "ranks and more the CP group is a `HybridGroup` of Ulysses groups of N/2 ranks (2 x 2 at 4), so the "
+          "hybrid runs (and `auto` weighs it) only there.\n")
+    rows, checks, flex_rows, scaling, autos = [], [], [], [], []
     for mix, layouts in mixes.items():
         lengths = crop(layouts[0], tokens)
         # One process before and after the CP runs (mean of the two medians), so load drifting
@@ -176,11 +200,17 @@ def main(argv: list[str] | None = None) -> None:
             per_rank = spawn(distributed, n, n, lengths, configs, repeats, threads=max(1, cores // n),
                              timeout_s=1800)
             for cfg in configs:
-                seconds, fwd_seconds = (max(r[cfg][i] for r in per_rank) for i in (0, 3))
+                if per_rank[0][cfg] is None:
+                    continue
+                seconds, fwd_seconds, received = (max(r[cfg][i] for r in per_rank) for i in (0, 3, 1))
                 kv = max(r[cfg][1] / max(r[cfg][2], 1) for r in per_rank)
-                rows.append((mix, n, *cfg, base, seconds, base / seconds, kv, fwd_seconds))
+                rows.append((mix, n, *cfg, base, seconds, base / seconds, kv, fwd_seconds, received))
                 print(f"{mix} {n} ranks {cfg[0]} {cfg[1]}: {seconds * 1e3:.1f} ms (one process before: "
                       f"{base * 1e3:.1f} ms)", file=sys.stderr, flush=True)
+            for strategy in dict.fromkeys(s for s, _ in configs):
+                timed_here = {r[3]: r[5] for r in rows if r[:3] == (mix, n, strategy)}
+                picked, fastest = per_rank[0][(strategy, "auto")], min(timed_here, key=timed_here.get)
+                autos.append((mix, n, strategy, picked, fastest, timed_here[picked] / timed_here[fastest]))
             if not args.no_flex and not args.quick:
                 try:
                     seconds, pad = spawn(flex_forward, n, n, lengths, repeats, threads=max(1, cores // n),
@@ -199,12 +229,17 @@ def main(argv: list[str] | None = None) -> None:
         for i, row in enumerate(rows):
             if row[0] == mix:
                 rows[i] = (*row[:4], base, row[5], base / row[5], *row[7:])
-    print("| mix | ranks | strategy | algorithm | 1 process (ms) | CP (ms) | speedup | KV recv / all-gather "
-          "| CP fwd only (ms) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for mix, n, strategy, algorithm, base, seconds, speedup, kv, fwd_seconds in rows:
+    print("| mix | ranks | strategy | algorithm | 1 process (ms) | CP (ms) | speedup | recv / rank (MB) "
+          "| recv / K+V all-gather | CP fwd only (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for mix, n, strategy, algorithm, base, seconds, speedup, kv, fwd_seconds, received in rows:
         print(f"| {mix} | {n} | {strategy} | {algorithm} | {base * 1e3:.1f} | {seconds * 1e3:.1f} | {speedup:.2f}x "
-              f"| {kv:.1%} | {fwd_seconds * 1e3:.1f} |")
+              f"| {received / 1e6:.2f} | {kv:.1%} | {fwd_seconds * 1e3:.1f} |")
+    print("\nWhere `auto` lands (`choose_algorithm` on CPU, the rule in docs/architecture.md) vs the fastest "
+          "fwd+bwd measured above:\n")
+    print("| mix | ranks | strategy | auto picks | fastest measured | auto time / fastest |\n|---|---|---|---|---|---|")
+    for mix, n, strategy, picked, fastest, ratio in autos:
+        print(f"| {mix} | {n} | {strategy} | {picked} | {fastest} | {ratio:.2f}x |")
     for mix in ("sft", "pretrain"):
         best = max((r for r in rows if r[0] == mix and r[1] == 2 and r[2] == "balanced"), key=lambda r: r[6],
                    default=None)

@@ -63,6 +63,9 @@ def test_bad_numbers(capsys):
     assert "--world-size must be in [1, 4096]" in _error(capsys, "--world-size", "0")
     assert "--tokens (2) must be at least --world-size (4)" in _error(capsys, "--tokens", "2")
     assert "--algorithms" in _error(capsys, "--algorithms", "ring_q")
+    assert "hybrid cannot run the demo's model on 2 ranks" in _error(capsys, "--algorithms", "hybrid",
+                                                                       "--world-size", "2")
+    assert "4 query heads are not a multiple of 3" in _error(capsys, "--algorithms", "ulysses", "--world-size", "3")
     assert "mask must be" in _error(capsys, "--mask", "diagonal")
     assert "needs one process per GPU" in _error(capsys, "--backend", "nccl")
 

@@ -80,7 +80,7 @@ def test_doc_packed_any_stride_is_exact():
 def strided_cp(rank: int, world_size: int) -> list[tuple]:
     layout = DocLayout.from_lengths([9, 1, 0, 23, 4])
     results = []
-    for strategy, algorithm in (("balanced", "allgather"), ("head_tail", "ring_kv")):
+    for strategy, algorithm in (("balanced", "allgather"), ("head_tail", "ring_kv"), ("contiguous", "ulysses")):
         plan = doccp.plan(layout, world_size, Mask.causal(), strategy)
         q, k, v, dout = (doccp.shard(x, plan, rank) for x in stream(layout))
         outs = []

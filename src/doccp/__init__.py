@@ -26,6 +26,7 @@ _LAZY = {
     "varlen_attention": "doccp.varlen",
     "attention": "doccp.algorithms",
     "choose_algorithm": "doccp.algorithms",
+    "HybridGroup": "doccp.comm",
     "ShardedKVCache": "doccp.inference",
     "prefill": "doccp.inference",
     "decode": "doccp.inference",
@@ -52,6 +53,7 @@ def __getattr__(name: str):
 if TYPE_CHECKING:  # pragma: no cover
     from doccp import nn  # noqa: F401
     from doccp.algorithms import attention, choose_algorithm  # noqa: F401
+    from doccp.comm import HybridGroup  # noqa: F401
     from doccp.inference import ShardedKVCache, choose_prefill_algorithm, decode, prefill  # noqa: F401
     from doccp.interop.doc_packed import doc_packed_attn  # noqa: F401
     from doccp.interop.padded import padded_attention, shard_padded, unshard_padded  # noqa: F401

@@ -45,11 +45,13 @@ _fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _agreed: set[tuple] = set()  # device-only groups: (group members, field hashes) agreed before
 
 
-def agree(problem: BaseException | None, group: dist.ProcessGroup | None, fields: Fields) -> None:
+def agree(problem: BaseException | None, group: dist.ProcessGroup | comm.HybridGroup | None, fields: Fields) -> None:
     """Raise on every rank if any rank has a ``problem`` or the ranks' ``fields`` differ.
 
-    Without a process group (or on a group of one) it simply raises ``problem``.
+    Without a process group (or on a group of one) it simply raises ``problem``. A
+    :class:`~doccp.comm.HybridGroup` agrees on its whole group.
     """
+    group = comm.process_group(group)
     if not dist.is_initialized() or comm.size(group) == 1:
         if problem is not None:
             raise problem

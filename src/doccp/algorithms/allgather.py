@@ -19,6 +19,7 @@ import torch
 from doccp import comm, kernels
 from doccp.algorithms.registry import Algorithm, Call, Shapes, register
 from doccp.algorithms.schedule import Geometry
+from doccp.algorithms.work import take_rows
 from doccp.kernels.runs import Runs
 from doccp.kernels.slices import Slices
 from doccp.plan import Plan
@@ -75,10 +76,11 @@ class AllGather(Algorithm):
         me, hkv = call.rank, k.shape[1]
         kv = torch.cat([k, v], 1)
         sends = [None if p == me else kv.index_select(0, rows.to(kv.device)) for p, rows in enumerate(sched.send_rows)]
-        received = comm.exchange(sends, _peer_shapes(sched.recv_sizes, me, kv.shape[1:]), kv, call.group)
-        gathered = torch.cat([kv, *(r for r in received if r is not None)])
+        received = [r for r in comm.exchange(sends, _peer_shapes(sched.recv_sizes, me, kv.shape[1:]), kv, call.group)
+                    if r is not None]
+        gathered = torch.cat([kv, *received]) if received else kv
         arrange = sched.arrange.to(kv.device)
-        k_arr, v_arr = gathered.index_select(0, arrange).split(hkv, 1)
+        k_arr, v_arr = take_rows(gathered, sched.arrange).split(hkv, 1)  # a view when nothing moved
         out, lse = kernels.attend(q, k_arr, v_arr, sched.slices, call.mask, call.scale, call.backend)
         return out, lse, (q, k_arr, v_arr, out, lse, arrange)
 

@@ -9,8 +9,12 @@ Every algorithm answers the same questions (:class:`Algorithm`):
   forward recompute);
 - ``received_bytes(plan, shapes)``: what each rank receives in the forward pass, predicted from
   the plan (the byte counts tests check against ``doccp.comm.measure`` and ``auto`` weighs);
+- ``flops(plan, shapes)``: the attention FLOPs each rank computes in the forward pass (how
+  ``auto`` weighs a plan's work imbalance against traffic);
 - ``problem(plan, shapes, group)``: why it cannot run a call (e.g. heads that do not split over
-  the ranks), or None.
+  the ranks), or None;
+- ``for_group(group)``: the algorithm as it runs on ``group`` (itself, for most; the hybrid
+  reads its Ulysses size and sub-groups from a :class:`~doccp.comm.HybridGroup`).
 
 Prefill-capable algorithms also have ``prefill(q, cache, queries, scale, backend, group)``.
 ``doccp.attention``, ``doccp.prefill``, ``choose_algorithm``, the CLI, the demo and the
@@ -22,12 +26,14 @@ serves every training algorithm.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
+from doccp.comm import HybridGroup
 from doccp.masks import Mask
 from doccp.plan import Plan
 
@@ -73,7 +79,19 @@ class Algorithm:
     #: Whether its transfers hide behind compute where the device allows (GPU copy engines).
     overlaps_compute: ClassVar[bool] = False
 
-    def problem(self, plan: Plan, shapes: Shapes, group: dist.ProcessGroup | None) -> Exception | None:
+    def for_group(self, group: dist.ProcessGroup | HybridGroup | None) -> Algorithm:
+        """This algorithm as it runs on ``group``: itself, unless its work depends on how the
+        group is built (the hybrid: Ulysses size and sub-groups of a HybridGroup)."""
+        return self
+
+    @property
+    def cache_key(self) -> Hashable:
+        """What its schedules depend on besides the plan and the rank: its name, and any
+        configuration :meth:`for_group` gave it."""
+        return self.name
+
+    def problem(self, plan: Plan, shapes: Shapes, group: dist.ProcessGroup | HybridGroup | None
+                ) -> Exception | None:
         """Why this algorithm cannot run this call (returned, so the ranks can agree), or None."""
         return None
 
@@ -93,6 +111,11 @@ class Algorithm:
     def received_bytes(self, plan: Plan, shapes: Shapes) -> list[int]:
         """Bytes each rank receives in the forward pass (predicted from the plan)."""
         raise TypeError(f"the {self.name!r} algorithm has no plan-based traffic prediction (it does not train)")
+
+    def flops(self, plan: Plan, shapes: Shapes) -> list[int]:
+        """Attention FLOPs each rank computes in the forward pass, ``4 x pairs x heads x head_dim``:
+        by default each rank attends its own queries (the plan's work) on every head."""
+        return [4 * pairs * shapes.heads * shapes.head_dim for pairs in plan.work]
 
     def prefill(self, q: torch.Tensor, cache: Any, queries: Any, scale: float, backend: str,
                 group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,12 +151,12 @@ _schedules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def schedule_of(algorithm: Algorithm | str, plan: Plan, rank: int) -> Any:
-    """``algorithm.schedule(plan, rank)`` (an algorithm or its name), computed once and kept as
-    long as the plan lives."""
+    """``algorithm.schedule(plan, rank)`` (an algorithm or its name), computed once per
+    configuration (:attr:`Algorithm.cache_key`) and kept as long as the plan lives."""
     algorithm = ALGORITHMS[algorithm] if isinstance(algorithm, str) else algorithm
     plan.check_rank(rank)
     per_plan = _schedules.setdefault(plan, {})
-    key = (algorithm.name, rank)
+    key = (algorithm.cache_key, rank)
     if key not in per_plan:
         per_plan[key] = algorithm.schedule(plan, rank)
     return per_plan[key]

@@ -34,7 +34,8 @@ import doccp
 import doccp.algorithms
 import doccp.varlen  # noqa: F401  (imported up front, so no timed step pays for imports)
 from doccp import comm
-from doccp.algorithms.registry import prefilling
+from doccp.algorithms.registry import ALGORITHMS, Shapes, prefilling
+from doccp.algorithms.ulysses import heads_problem
 from doccp.app.corpus import VOCAB
 from doccp.inference import ShardedKVCache, decode, prefill
 from doccp.layout import DocLayout
@@ -51,6 +52,28 @@ TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
 
 #: Prefill algorithms the demo checks (each followed by the same decode steps): all of them.
 PREFILL = tuple(prefilling())
+
+#: The model's attention shapes, as the algorithms' head checks see them.
+SHAPES = Shapes(MODEL["n_heads"], MODEL["n_kv_heads"], MODEL["dim"] // MODEL["n_heads"], 4)
+
+
+def hybrid_size(world_size: int) -> int | None:
+    """Ulysses group size U of the demo's hybrid: the largest proper factor of ``world_size``
+    (``1 < U < N``, so both the all-to-all and the exchange across run) whose ranks the model's
+    heads split over; None where there is none (N = 2, 3, ...)."""
+    return next((u for u in range(world_size - 1, 1, -1)
+                 if world_size % u == 0 and heads_problem(SHAPES, u, "ranks") is None), None)
+
+
+def unavailable(algorithm: str, world_size: int) -> str | None:
+    """Why the demo's model cannot be trained with ``algorithm`` on ``world_size`` ranks, or None."""
+    if algorithm == "hybrid":  # the one that needs a HybridGroup: the demo factors the world (hybrid_size)
+        return None if hybrid_size(world_size) else (
+            f"the hybrid needs Ulysses groups of U ranks, 1 < U < {world_size}, U dividing the world size and the "
+            f"model's {SHAPES.heads} query heads split over U ranks: run it with --world-size 4 or 8")
+    plan = doccp.plan(DocLayout.from_lengths([world_size]), world_size)
+    problem = ALGORITHMS[algorithm].problem(plan, SHAPES, None)
+    return None if problem is None else str(problem)
 
 
 @dataclass(frozen=True)
@@ -172,12 +195,17 @@ def cp_rank(rank: int, work: Workload, tick: Callable[[], None] | None = None,
     tokens = doccp.shard(work.tokens, plan, rank).to(device)
     targets = doccp.shard(targets, plan, rank).to(device)
     ticked = tick if tick is not None and rank == 0 else (lambda: None)
+    hybrid = None
+    if "hybrid" in work.algorithms:  # made up front, by every process of the world
+        if group is not None:
+            raise ValueError("the demo's hybrid factors the whole world into Ulysses groups; run it without group=")
+        hybrid = doccp.HybridGroup.create(hybrid_size(n))
     dist.barrier(group)  # ranks start timing together (rank 0 may have been drawing plans)
     train = []
     for algorithm in work.algorithms:
         with comm.measure() as traffic:
-            logits, loss, seconds = _step(model, tokens, targets, n_targets, plan=plan, group=group,
-                                          algorithm=algorithm)
+            logits, loss, seconds = _step(model, tokens, targets, n_targets, plan=plan,
+                                          group=hybrid if algorithm == "hybrid" else group, algorithm=algorithm)
         dist.all_reduce(loss, group=group)
         grads = {}
         for name, p in model.named_parameters():

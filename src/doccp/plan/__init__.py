@@ -201,6 +201,13 @@ class Plan:
         rows = torch.cumsum(p.length, 0) - p.length
         return Pieces(p.rank, p.doc, rows, p.start)
 
+    @cached_property
+    def work(self) -> list[int]:
+        """Mask pairs each rank's queries attend (the work the strategies balance)."""
+        p = self.stream_pieces
+        pairs = self.mask.pairs(p.start, p.end, 0, self.layout.lengths[p.doc])
+        return torch.zeros(self.world_size, dtype=torch.int64).index_add_(0, p.rank, pairs).tolist()
+
     # -- communication -------------------------------------------------------------------
     @cached_property
     def seen(self) -> Pieces:
@@ -227,7 +234,7 @@ class Plan:
         """Per-rank tokens, work (mask pairs), imbalance, pieces, KV to receive, tile work."""
         p, n = self.stream_pieces, self.world_size
         lengths = self.layout.lengths[p.doc]
-        work = torch.zeros(n, dtype=torch.int64).index_add_(0, p.rank, self.mask.pairs(p.start, p.end, 0, lengths))
+        work = torch.tensor(self.work, dtype=torch.int64)
         tiles = torch.zeros(n, dtype=torch.int64).index_add_(0, p.rank, _tile_counts(p, lengths, self.mask))
         total = int(work.sum())
         mean = total / n

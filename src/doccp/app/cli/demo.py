@@ -55,8 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="attention mask: causal, full, window:LEFT[,RIGHT] or chunked:SIZE (default: %(default)s)")
     p.add_argument("--strategy", default="balanced", choices=sorted(STRATEGIES),
                    help="plan used for the model runs; the table shows all (default: %(default)s)")
-    p.add_argument("--algorithms", default=",".join(training()), metavar="LIST",
-                   help="CP algorithms to check, comma-separated (default: %(default)s)")
+    p.add_argument("--algorithms", metavar="LIST",
+                   help=f"CP algorithms to check, comma-separated, of {', '.join(training())} (default: every one "
+                   "that can run the model at the world size; the hybrid runs on Ulysses groups of a proper factor "
+                   "of it, e.g. 2 x 2 at 4 ranks)")
     p.add_argument("--decode-tokens", type=int, default=8, metavar="N",
                    help="tokens to generate per document after the CP prefill; 0 skips step 4 (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
@@ -89,9 +91,15 @@ def _options(args: argparse.Namespace) -> Options:
     if args.tokens < args.world_size:
         raise UsageError(f"--tokens ({args.tokens}) must be at least --world-size ({args.world_size}): "
                          "every rank needs a token")
-    algorithms = tuple(a.strip() for a in args.algorithms.split(",") if a.strip())
-    if not algorithms or any(a not in training() for a in algorithms):
-        raise UsageError(f"--algorithms must list some of {', '.join(training())}, got {args.algorithms!r}")
+    if args.algorithms is None:
+        algorithms = tuple(a for a in training() if demo.unavailable(a, args.world_size) is None)
+    else:
+        algorithms = tuple(a.strip() for a in args.algorithms.split(",") if a.strip())
+        if not algorithms or any(a not in training() for a in algorithms):
+            raise UsageError(f"--algorithms must list some of {', '.join(training())}, got {args.algorithms!r}")
+        for a in algorithms:
+            if (why := demo.unavailable(a, args.world_size)) is not None:
+                raise UsageError(f"--algorithms: {a} cannot run the demo's model on {args.world_size} ranks: {why}")
     try:
         mask = Mask.parse(args.mask)
     except ValueError as e:
