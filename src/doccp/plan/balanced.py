@@ -38,6 +38,8 @@ TOLERANCE = 1.01
 #: Share of one rank's mean work a single cut may be off by after snapping (two cuts bound a
 #: rank, so a rank is off by at most twice this plus one token's work).
 SNAP_SLACK = 0.003
+#: Plans solved before a balanced one that still cuts a document that could stay whole is taken.
+ATTEMPTS = 4
 #: Rounds of pinning cut documents that could stay whole to one rank and solving again.
 PIN_ROUNDS = 3
 #: Where a cut document that could stay whole is pinned, tried in turn: the rank holding most of
@@ -58,11 +60,12 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     doc_work = mask.pairs(0, lengths, 0, lengths)
     rank_tokens = -(-layout.num_tokens // n)
     whole = (lengths <= rank_tokens) & (doc_work.double() <= float(doc_work.sum()) / n)
-    best, best_score = None, None
+    best, best_score, attempts = None, None, 0
     for chunks, pin_to in [(c, most) for c in CHUNKS_PER_RANK for most in PIN_TO]:
         pinned = torch.full_like(lengths, -1)
         for _ in range(PIN_ROUNDS + 1):
             pieces = _sequence_plan(layout, n, mask, chunks, whole, pinned, doc_work)
+            attempts += 1
             if pieces is None:
                 break
             work = torch.zeros(n, dtype=torch.float64).index_add_(
@@ -85,7 +88,7 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
                 pinned[part.doc] = first[part.doc]
             else:
                 pinned[part.doc] = 0
-        if best_score is not None and not best_score[0] and best_score[1] == 0:
+        if best_score is not None and not best_score[0] and (best_score[1] == 0 or attempts >= ATTEMPTS):
             break
     return best
 
