@@ -39,7 +39,7 @@ TOLERANCE = 1.01
 #: rank, so a rank is off by at most twice this plus one token's work).
 SNAP_SLACK = 0.003
 #: Plans solved before a balanced one that still cuts a document that could stay whole is taken.
-ATTEMPTS = 4
+ATTEMPTS = 2
 #: Rounds of pinning cut documents that could stay whole to one rank and solving again.
 PIN_ROUNDS = 3
 #: Where a cut document that could stay whole is pinned, tried in turn: the rank holding most of
@@ -48,7 +48,7 @@ PIN_TO = ("most", "first", "zero")
 #: Chunks on either side of a cut whose boundaries the cut may snap to.
 SNAP_REACH = 2
 #: Rounds of re-solving cuts that overtook their neighbour before clamping them.
-MONOTONE_ROUNDS = 8
+MONOTONE_ROUNDS = 4
 #: Chunks per rank's tokens that a document too big to stay whole is cut into before sorting.
 CHUNKS_PER_RANK = (4, 16, 64)
 
@@ -75,7 +75,7 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
             score = (spread > TOLERANCE, int(torch.unique(pieces.doc[cut]).numel()), spread)
             if best_score is None or score < best_score:
                 best, best_score = pieces, score
-            if not bool(cut.any()):
+            if not bool(cut.any()) or (not best_score[0] and attempts >= ATTEMPTS):
                 break
             # Pin every cut document that could stay whole to one rank (see PIN_TO); solve again.
             part = pieces.select(cut)
