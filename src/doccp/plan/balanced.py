@@ -53,8 +53,10 @@ PIN_TO = ("most", "first", "zero")
 SNAP_REACH = 2
 #: Rounds of re-solving cuts that overtook their neighbour before clamping them.
 MONOTONE_ROUNDS = 4
-#: Chunks per rank's tokens that a document too big to stay whole is cut into before sorting.
-CHUNKS_PER_RANK = (4, 16, 64)
+#: Chunks per rank's tokens that a document too big to stay whole is cut into before sorting,
+#: tried in turn: 0 keeps it one chunk (its parts land on adjacent ranks: least KV); finer
+#: chunks sort the sequence closer to token cost (balance when big documents dominate).
+CHUNKS_PER_RANK = (0, 4, 16, 64)
 
 
 def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
@@ -152,14 +154,15 @@ class Sequence:
     def __init__(self, lengths: torch.Tensor, mask: Mask, rank_tokens: int, whole: torch.Tensor,
                  chunks_per_rank: int):
         self.mask = mask
-        size = max(rank_tokens // chunks_per_rank, 1)
-        count = torch.where(whole | (lengths <= size), (lengths > 0).long(), -(-lengths // size))
+        size = max(rank_tokens // chunks_per_rank, 1) if chunks_per_rank else max(int(lengths.max()), 1)
+        one = whole | (lengths <= size)  # documents laid out as one chunk
+        count = torch.where(one, (lengths > 0).long(), -(-lengths // size))
         doc = repeat(torch.arange(lengths.numel()), count)
         # chunk k of a split document ends at L - k * size (the short remainder is its head)
         from_end = expand(torch.zeros_like(count), count)
         doc_len = lengths[doc]
-        end = torch.where(whole[doc], doc_len, doc_len - from_end * size)
-        start = torch.where(whole[doc], 0, (end - size).clamp(min=0))
+        end = torch.where(one[doc], doc_len, doc_len - from_end * size)
+        start = torch.where(one[doc], 0, (end - size).clamp(min=0))
         work = mask.pairs(start, end, 0, doc_len)
         density = work.double() / (end - start).double()
         order = torch.argsort(density, descending=True, stable=True)
