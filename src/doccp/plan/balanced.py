@@ -39,11 +39,11 @@ TOLERANCE = 1.01
 #: rank, so a rank is off by at most twice this plus one token's work).
 SNAP_SLACK = 0.003
 #: Plans solved before a balanced one that still cuts a document that could stay whole is taken:
-#: with few documents (at most FEW_DOCS per rank) a cut document is a large share of a rank and
-#: the search goes on longer; with many, a cut short document costs little KV.
+#: when it cuts only a few (at most FEW_CUTS), the search goes on longer (a README-sized layout,
+#: where each such document is a large share of a rank); with many, each costs little KV.
 ATTEMPTS = 2
-ATTEMPTS_FEW_DOCS = 12
-FEW_DOCS = 4
+ATTEMPTS_FEW_CUTS = 12
+FEW_CUTS = 2
 #: Rounds of pinning cut documents that could stay whole to one rank and solving again.
 PIN_ROUNDS = 3
 #: Where a cut document that could stay whole is pinned, tried in turn: the rank holding most of
@@ -67,7 +67,6 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     rank_tokens = -(-layout.num_tokens // n)
     whole = (lengths <= rank_tokens) & (doc_work.double() <= float(doc_work.sum()) / n)
     best, best_score, attempts = None, None, 0
-    budget = ATTEMPTS_FEW_DOCS if layout.num_docs <= FEW_DOCS * n else ATTEMPTS
     for chunks, pin_to in [(c, most) for c in CHUNKS_PER_RANK for most in PIN_TO]:
         pinned = torch.full_like(lengths, -1)
         for _ in range(PIN_ROUNDS + 1):
@@ -82,7 +81,7 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
             score = (spread > TOLERANCE, int(torch.unique(pieces.doc[cut]).numel()), spread)
             if best_score is None or score < best_score:
                 best, best_score = pieces, score
-            if not bool(cut.any()) or (not best_score[0] and attempts >= budget):
+            if not bool(cut.any()) or _done(best_score, attempts):
                 break
             # Pin every cut document that could stay whole to one rank (see PIN_TO); solve again.
             part = pieces.select(cut)
@@ -95,9 +94,15 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
                 pinned[part.doc] = first[part.doc]
             else:
                 pinned[part.doc] = 0
-        if best_score is not None and not best_score[0] and (best_score[1] == 0 or attempts >= budget):
+        if best_score is not None and _done(best_score, attempts):
             break
     return best
+
+
+def _done(score: tuple[bool, int, float], attempts: int) -> bool:
+    """Whether the search stops at a plan scored (unbalanced, whole documents cut, spread)."""
+    unbalanced, cut, _ = score
+    return not unbalanced and (cut == 0 or attempts >= (ATTEMPTS_FEW_CUTS if cut <= FEW_CUTS else ATTEMPTS))
 
 
 def _sequence_plan(layout: DocLayout, n: int, mask: Mask, chunks_per_rank: int, whole: torch.Tensor,
