@@ -30,6 +30,7 @@ import torch
 
 from doccp.layout import DocLayout
 from doccp.masks import Mask
+from doccp.plan.exchange import visible_intervals
 from doccp.plan.pieces import Pieces, cut_stream, even_sizes
 from doccp.ranges import expand, repeat
 
@@ -66,22 +67,26 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     doc_work = mask.pairs(0, lengths, 0, lengths)
     rank_tokens = -(-layout.num_tokens // n)
     whole = (lengths <= rank_tokens) & (doc_work.double() <= float(doc_work.sum()) / n)
-    best, best_score, attempts = None, None, 0
-    for chunks, pin_to in [(c, most) for c in CHUNKS_PER_RANK for most in PIN_TO]:
+    best, best_score, attempts, probes = None, None, 0, {}
+    # Round 0 of the first two chunkings both, then pinning rounds, until _done.
+    variants = [(c, PIN_TO[0], True) for c in CHUNKS_PER_RANK[:2]]
+    variants += [(c, pin_to, False) for c in CHUNKS_PER_RANK for pin_to in PIN_TO]
+    for chunks, pin_to, probe in variants:
         pinned = torch.full_like(lengths, -1)
-        for _ in range(PIN_ROUNDS + 1):
-            pieces = _sequence_plan(layout, n, mask, chunks, whole, pinned, doc_work)
-            attempts += 1
+        for round_ in range(PIN_ROUNDS + 1):
+            if round_ == 0 and not probe and chunks in CHUNKS_PER_RANK[:2] and pin_to == PIN_TO[0]:
+                pieces = probes[chunks]  # solved already
+            else:
+                pieces = _sequence_plan(layout, n, mask, chunks, whole, pinned, doc_work)
+                attempts += 1
+            if probe:
+                probes[chunks] = pieces
             if pieces is None:
                 break
-            work = torch.zeros(n, dtype=torch.float64).index_add_(
-                0, pieces.rank, mask.pairs(pieces.start, pieces.end, 0, lengths[pieces.doc]).double())
-            spread = float(work.max()) / max(float(work.mean()), 1.0)
-            cut = whole[pieces.doc] & (pieces.length < lengths[pieces.doc])
-            score = (spread > TOLERANCE, int(torch.unique(pieces.doc[cut]).numel()), spread)
+            score, cut = _score(pieces, layout, n, mask, whole)
             if best_score is None or score < best_score:
                 best, best_score = pieces, score
-            if not bool(cut.any()) or _done(best_score, attempts):
+            if probe or not bool(cut.any()) or _done(best_score, attempts):
                 break
             # Pin every cut document that could stay whole to one rank (see PIN_TO); solve again.
             part = pieces.select(cut)
@@ -94,14 +99,29 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
                 pinned[part.doc] = first[part.doc]
             else:
                 pinned[part.doc] = 0
-        if best_score is not None and _done(best_score, attempts):
+        if not probe and best_score is not None and _done(best_score, attempts):
             break
     return best
 
 
-def _done(score: tuple[bool, int, float], attempts: int) -> bool:
-    """Whether the search stops at a plan scored (unbalanced, whole documents cut, spread)."""
-    unbalanced, cut, _ = score
+def _score(pieces: Pieces, layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor
+           ) -> tuple[tuple[bool, int, int, float], torch.Tensor]:
+    """(unbalanced, max KV received, documents that could stay whole but are cut, work spread):
+    what the planner minimises, in that order; and which pieces cut such documents."""
+    lengths = layout.lengths
+    work = torch.zeros(n, dtype=torch.float64).index_add_(
+        0, pieces.rank, mask.pairs(pieces.start, pieces.end, 0, lengths[pieces.doc]).double())
+    spread = float(work.max()) / max(float(work.mean()), 1.0)
+    p = pieces.normalized()
+    seen = visible_intervals(p, lengths, mask)
+    kv = torch.zeros(n, dtype=torch.int64).index_add_(0, seen.rank, seen.length).index_add_(0, p.rank, -p.length)
+    cut = whole[pieces.doc] & (pieces.length < lengths[pieces.doc])
+    return (spread > TOLERANCE, int(kv.max()), int(torch.unique(pieces.doc[cut]).numel()), spread), cut
+
+
+def _done(score: tuple[bool, int, int, float], attempts: int) -> bool:
+    """Whether the search stops at the best plan so far, scored by :func:`_score`."""
+    unbalanced, _, cut, _ = score
     return not unbalanced and (cut == 0 or attempts >= (ATTEMPTS_FEW_CUTS if cut <= FEW_CUTS else ATTEMPTS))
 
 
