@@ -212,7 +212,8 @@ class Sequence:
 
     def held(self, x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Work of ranks 0..r when their front runs end at ``x`` (and hold ``k`` tokens in all)."""
-        return self.prefix_work(x) + self.total_work - self.prefix_work(x + self.total - k)
+        front, back = self.prefix_work(torch.cat([x, x + self.total - k])).split(x.numel())
+        return front + self.total_work - back
 
     def solve(self, k: torch.Tensor, goal: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
         """Front cut ``x`` in ``[lo, hi]`` whose held work is closest to ``goal`` (bisection; the
