@@ -22,6 +22,15 @@ ranks' share, so ``y = x + T - K_r`` and ``x`` solves one scalar equation, indep
 every r: a vectorised bisection, O(N log T) host work after one sort of the documents. Each
 cut then snaps to a document boundary where the work allows, moving the other cut by as many
 tokens (documents that can stay whole stay whole), and the cuts are made monotone.
+
+A document too big for one rank is one unit of the sequence at first (its parts land on
+adjacent ranks: least KV); when that cannot balance, it is cut into chunks of a fraction of a
+rank that sort by density on their own (its cheap head trails with the light documents, so a
+rank may hold its head and its tail). A cut document that could have stayed whole is then
+*pinned* whole to one rank and the rest solved again. Every candidate plan is scored
+(unbalanced, max KV received, whole-able documents cut, spread) and the best one kept; a
+handful of candidates, each O(chunks log chunks + N log T) vectorised host work, no loop over
+documents or ranks.
 """
 
 from __future__ import annotations
