@@ -48,6 +48,8 @@ TOLERANCE = 1.01
 #: Share of one rank's mean work a single cut may be off by after snapping (two cuts bound a
 #: rank, so a rank is off by at most twice this plus one token's work).
 SNAP_SLACK = 0.003
+#: Work beyond its need (share of the mean) a rank may end with after snapping.
+SNAP_BUDGET = 0.008
 #: Plans solved before a balanced one that still cuts a document that could stay whole is taken:
 #: when it cuts only a few (at most FEW_CUTS), the search goes on longer (a README-sized layout,
 #: where each such document is a large share of a rank); with many, each costs little KV.
@@ -151,13 +153,23 @@ def _sequence_plan(layout: DocLayout, n: int, mask: Mask, chunks_per_rank: int, 
     k = torch.cumsum(tokens, 0)[:-1]  # tokens of ranks 0..r, r < N - 1
     goal = torch.cumsum(need, 0)[:-1]
     x = seq.solve(k, goal, torch.zeros_like(k), k.clone())
-    x = seq.snap(x, k, goal, SNAP_SLACK * float(doc_work.sum()) / n)
-    x = _monotone(seq, x, k, goal)
+    mean = float(doc_work.sum()) / n
+    # Snapping moves cuts within the slack, but may push one past its neighbour; then the
+    # unsnapped cuts are kept.
+    snapped = _monotone(seq, seq.snap(x, k, goal, SNAP_SLACK * mean), k, goal)
+    x = snapped if _excess(seq, snapped, k, need) <= SNAP_BUDGET * mean else _monotone(seq, x, k, goal)
     y = x + total - k
     sizes = torch.cat([torch.diff(x, prepend=x.new_zeros(1)), (y[-1:] - x[-1:]),
                        torch.diff(y.flip(0), append=y.new_full((1,), total))])
     ranks = torch.cat([torch.arange(n - 1), torch.tensor([n - 1]), torch.arange(n - 2, -1, -1)])
     return Pieces.cat([seq.pieces(cut_stream(seq.cu, sizes), ranks), pins])
+
+
+def _excess(seq: Sequence, x: torch.Tensor, k: torch.Tensor, need: torch.Tensor) -> float:
+    """Most work any rank holds beyond its need, for front cuts ``x``."""
+    held = torch.cat([x.new_zeros(1, dtype=torch.float64), seq.held(x, k),
+                      torch.tensor([seq.total_work], dtype=torch.float64)])
+    return float((torch.diff(held) - need).max())
 
 
 def _monotone(seq: Sequence, x: torch.Tensor, k: torch.Tensor, goal: torch.Tensor) -> torch.Tensor:
