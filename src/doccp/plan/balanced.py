@@ -54,13 +54,13 @@ SNAP_BUDGET = 0.008
 #: when it cuts only a few (at most FEW_CUTS), the search goes on longer (a README-sized layout,
 #: where each such document is a large share of a rank); with many, each costs little KV.
 ATTEMPTS = 2
-ATTEMPTS_FEW_CUTS = 12
+ATTEMPTS_FEW_CUTS = 16
 FEW_CUTS = 2
 #: Rounds of pinning cut documents that could stay whole to one rank and solving again.
 PIN_ROUNDS = 3
 #: Where a cut document that could stay whole is pinned, tried in turn: the rank holding most of
-#: it, the lowest of its ranks, rank 0 (whose back run holds the lightest documents).
-PIN_TO = ("most", "first", "zero")
+#: it, rank 0 (whose back run holds the lightest documents), the lowest of its ranks.
+PIN_TO = ("most", "zero", "first")
 #: Chunks on either side of a cut whose boundaries the cut may snap to.
 SNAP_REACH = 2
 #: Rounds of re-solving cuts that overtook their neighbour before clamping them.
@@ -68,7 +68,7 @@ MONOTONE_ROUNDS = 4
 #: Chunks per rank's tokens that a document too big to stay whole is cut into before sorting,
 #: tried in turn: 0 keeps it one chunk (its parts land on adjacent ranks: least KV); finer
 #: chunks sort the sequence closer to token cost (balance when big documents dominate).
-CHUNKS_PER_RANK = (0, 4, 16, 64)
+CHUNKS_PER_RANK = (0, 4, 16, 64, 256, 1024)
 
 
 def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
@@ -78,26 +78,28 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     doc_work = mask.pairs(0, lengths, 0, lengths)
     rank_tokens = -(-layout.num_tokens // n)
     whole = (lengths <= rank_tokens) & (doc_work.double() <= float(doc_work.sum()) / n)
-    best, best_score, attempts, probes = None, None, 0, {}
-    # Round 0 of the first two chunkings both, then pinning rounds, until _done.
+    best, best_score, attempts = None, None, 0
+    # Round 0 (no pins) of the first two chunkings both, then pinning rounds, until _done. Round
+    # 0 of a chunking is solved once (``unpinned``); a chunking that cannot balance is not pinned.
     variants = [(c, PIN_TO[0], True) for c in CHUNKS_PER_RANK[:2]]
-    variants += [(c, pin_to, False) for c in CHUNKS_PER_RANK for pin_to in PIN_TO]
+    variants += [(c, pin_to, False) for pin_to in PIN_TO for c in CHUNKS_PER_RANK]
+    unpinned: dict[int, tuple] = {}
     for chunks, pin_to, probe in variants:
         pinned = torch.full_like(lengths, -1)
         for round_ in range(PIN_ROUNDS + 1):
-            if round_ == 0 and not probe and chunks in CHUNKS_PER_RANK[:2] and pin_to == PIN_TO[0]:
-                pieces = probes[chunks]  # solved already
+            if round_ == 0 and chunks in unpinned:
+                pieces, score, cut = unpinned[chunks]
             else:
                 pieces = _sequence_plan(layout, n, mask, chunks, whole, pinned, doc_work)
                 attempts += 1
-            if probe:
-                probes[chunks] = pieces
-            if pieces is None:
-                break
-            score, cut = _score(pieces, layout, n, mask, whole)
+                if pieces is None:
+                    break
+                score, cut = _score(pieces, layout, n, mask, whole)
+                if round_ == 0:
+                    unpinned[chunks] = pieces, score, cut
             if best_score is None or score < best_score:
                 best, best_score = pieces, score
-            if probe or not bool(cut.any()) or _done(best_score, attempts):
+            if probe or (round_ == 0 and score[0]) or not bool(cut.any()) or _done(best_score, attempts):
                 break
             # Pin every cut document that could stay whole to one rank (see PIN_TO); solve again.
             part = pieces.select(cut)
