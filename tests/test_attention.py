@@ -192,8 +192,10 @@ def test_attention_balanced_plans_odd_world():
     zero-length and 1-token documents and fewer tokens than ranks."""
     rng = random.Random(3)
     many = [rng.choice([0, 1, rng.randint(2, 30)]) for _ in range(24)]
+    big = [60, 4, 200, 1, 0, 140]  # documents longer than a rank: cut into runs over adjacent ranks
     cases = [(lengths, "balanced", mask, algorithm, i) for i, (lengths, mask, algorithm) in enumerate(
-        itertools.product([many, [1, 0, 1]], [Mask.causal(), Mask.sliding_window(4, 3)], ALGORITHMS))]
+        itertools.product([many, [1, 0, 1], big], [Mask.causal(), Mask.sliding_window(4, 3), Mask.chunked(16)],
+                          ALGORITHMS))]
     check(spawn(run_cases, 3, 3, cases, threads=1), cases, 3)
 
 

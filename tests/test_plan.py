@@ -289,7 +289,49 @@ def test_readme_example_keeps_short_documents_whole():
     p = plan(DocLayout.from_lengths([300, 40, 1000, 7, 700]), 4)
     holders = {doc: [r for r in range(4) for d, _, _ in p.pieces(r) if d == doc] for doc in range(5)}
     assert all(len(holders[doc]) == 1 for doc in (0, 1, 3)), holders
-    assert p.stats().imbalance <= 1.01 and max(p.local_sizes) - min(p.local_sizes) <= 1
+    s = p.stats()
+    assert s.imbalance <= 1.01 and max(p.local_sizes) - min(p.local_sizes) <= 1
+    assert s.max_kv_fraction < 0.8  # the planner before v2 received 96.9% of an all-gather here
+
+
+MASKS_OF_BALANCE = [Mask.causal(), Mask.full(), Mask.sliding_window(256), Mask.sliding_window(64, 64),
+                    Mask.chunked(1024), Mask.chunked(100)]
+
+
+@pytest.mark.parametrize("mask", MASKS_OF_BALANCE, ids=str)
+def test_balanced_for_every_mask_on_seeded_mixes(mask):
+    """Balanced work (<= 1.01) and tokens within one for every mask, on the seeded mixes,
+    including the heavy-tailed ones (a document may fill most of the pack) and odd N."""
+    from doccp.app import workloads
+    for mix, n in [("lognormal", 3), ("pareto", 8), ("pretrain", 5), ("sft", 16), ("long", 7)]:
+        layout = DocLayout.from_lengths(workloads.layout(mix, 32768, n))
+        s = plan(layout, n, mask).stats()
+        assert s.imbalance <= 1.01, (mix, n, s.imbalance)
+        assert max(s.tokens) - min(s.tokens) <= 1
+
+
+@pytest.mark.parametrize("mix, world_sizes", [("sft", (2, 4, 8)), ("lognormal", (2, 4, 8))])
+def test_balanced_moves_little_more_kv_than_contiguous(mix, world_sizes):
+    """Where every document fits a rank, the balanced plan cuts few documents, into runs over
+    adjacent ranks: its most-loaded rank receives at most 0.1 of an all-gather more than the
+    (unbalanced) contiguous split (the issue's goal is 0.05; bench/plan.py reports it per mix and
+    N), and far less than head_tail."""
+    from doccp.app import workloads
+    for n in world_sizes:
+        for index in range(2):
+            layout = DocLayout.from_lengths(workloads.layout(mix, 32768, index))
+            ours, cont = plan(layout, n).stats(), plan(layout, n, strategy="contiguous").stats()
+            assert ours.max_kv_fraction <= cont.max_kv_fraction + 0.1, (n, index)
+            assert ours.max_kv_fraction <= 0.25 * plan(layout, n, strategy="head_tail").stats().max_kv_fraction
+
+
+def test_balanced_cuts_big_documents_into_runs():
+    """A document longer than a rank is held as few contiguous runs; the rest stay whole."""
+    lengths = [5000, 30, 200, 12, 700, 64]
+    p = plan(DocLayout.from_lengths(lengths), 4)
+    holders = {doc: {r for r in range(4) for d, _, _ in p.pieces(r) if d == doc} for doc in range(len(lengths))}
+    assert all(len(holders[d]) == 1 for d in (1, 3, 5)), holders
+    assert p.stats().imbalance <= 1.01
 
 
 @pytest.mark.parametrize("mask, world_sizes", [(Mask.full(), (3,)), (Mask.sliding_window(256), (3, 8)),
@@ -326,7 +368,7 @@ def test_lower_bound_examples():
     assert kv_lower_bound(DocLayout.from_lengths([800]), 8, Mask.causal()) == 700
 
 
-@pytest.mark.parametrize("mask", [Mask.causal(), Mask.full(), Mask.sliding_window(9, 2)])
+@pytest.mark.parametrize("mask", [Mask.causal(), Mask.full(), Mask.sliding_window(9, 2), Mask.chunked(7)], ids=str)
 def test_lower_bound_is_below_every_balanced_plan(mask):
     """The bound holds for every strategy's plan that is balanced, on small random layouts."""
     from doccp.plan.bound import kv_lower_bound

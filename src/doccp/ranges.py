@@ -47,3 +47,19 @@ def offsets_within(group: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
     first[1:] = g[1:] != g[:-1]
     start = torch.cummax(torch.where(first, torch.arange(g.numel()), 0), 0).values
     return torch.empty_like(before).index_copy_(0, order, before - before[start])
+
+
+def index_of(keep):
+    """``keep`` ready to take rows from several columns: ``None`` for an all-true bool mask (take
+    nothing, keep everything), the indices of a bool mask (found once, not once per column), or
+    ``keep`` itself (indices or a slice)."""
+    if isinstance(keep, torch.Tensor) and keep.dtype == torch.bool:
+        return None if bool(keep.all()) else torch.nonzero(keep).squeeze(1)
+    return keep
+
+
+def take(column: torch.Tensor, index) -> torch.Tensor:
+    """``column[index]`` for an :func:`index_of` result (``None``: the column itself)."""
+    if index is None:
+        return column
+    return column.index_select(0, index) if isinstance(index, torch.Tensor) else column[index]

@@ -25,7 +25,7 @@ import torch
 
 from doccp.kernels.slices import Slices, pair_slices
 from doccp.masks import UNBOUNDED, Mask
-from doccp.ranges import expand, repeat
+from doccp.ranges import expand, index_of, repeat, take
 
 #: An empty hull is ``(BIG, -BIG)``: beyond any position plus any mask bound (``UNBOUNDED``).
 BIG = 4 * UNBOUNDED
@@ -73,7 +73,8 @@ class Runs:
         return self.doc.numel()
 
     def select(self, keep) -> Runs:
-        return Runs(*(getattr(self, f.name)[keep] for f in fields(self)))
+        index = index_of(keep)
+        return self if index is None else Runs(*(take(getattr(self, f.name), index) for f in fields(self)))
 
     @property
     def end(self) -> torch.Tensor:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from doccp.masks import BandMask, Mask
-from doccp.ranges import expand, repeat
+from doccp.ranges import expand, index_of, repeat, take
 
 FIELDS = ("q_start", "q_end", "k_start", "k_end", "q_pos0", "k_pos0")
 
@@ -56,7 +56,8 @@ class Slices:
         return self.q_start.numel()
 
     def select(self, keep) -> Slices:
-        return Slices(*(getattr(self, f)[keep] for f in FIELDS))
+        index = index_of(keep)
+        return self if index is None else Slices(*(take(getattr(self, f), index) for f in FIELDS))
 
     def rows(self) -> list[tuple[int, int, int, int, int, int]]:
         return list(zip(*(getattr(self, f).tolist() for f in FIELDS), strict=True))
@@ -97,7 +98,8 @@ def pair_slices(q_doc: torch.Tensor, q_row: torch.Tensor, q_pos: torch.Tensor, q
     qlo, qhi = mask.visible_queries(lo, hi, qp1)
     qlo, qhi = torch.maximum(qp0, qlo), torch.minimum(qp1, qhi)
     keep = (hi > lo) & (qhi > qlo)
-    qi, ki, lo, hi, qlo, qhi = (t[keep] for t in (qi, ki, lo, hi, qlo, qhi))
+    index = index_of(keep)
+    qi, ki, lo, hi, qlo, qhi = (take(t, index) for t in (qi, ki, lo, hi, qlo, qhi))
     q0 = q_row[qi] + (qlo - q_pos[qi])
     k0 = k_row[ki] + (lo - k_pos[ki])
     return Slices(q0, q0 + (qhi - qlo), k0, k0 + (hi - lo), qlo, lo)

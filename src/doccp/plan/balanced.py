@@ -3,171 +3,284 @@
 Every rank must end with the same number of tokens (within one) *and* the same attention
 work (mask pairs, max/mean <= 1.01). A rank receives KV only for documents it holds part of,
 and for a causal mask a piece ``[a, b)`` needs exactly its prefix ``[0, a)``; so the plan cuts
-few documents, into contiguous runs whose later parts start early::
+few documents, each into contiguous runs over adjacent ranks.
 
-    1. cut     docs too big for one rank (tokens or work)  ->  contiguous parts, cut from the
-               end so the late (expensive, KV-hungry) parts are as long as a rank allows
-    2. pack    whole docs and parts, largest work first     ->  onto the least-loaded rank
-               with token room (LPT)
-    3. chain   order the ranks so their token surpluses cancel, lay their items out in that
-               order (small documents at both ends of each rank's run) and cut the result
-               into exact token counts: a rank over by k tokens hands its neighbour the
-               first k tokens of its last small document, and that neighbour receives k
+The documents are laid out in one *sequence*, densest (work per token) first, each document
+reversed (its expensive last tokens first). Rank r takes a run from the front of the sequence
+and a run from the back, so the heavy documents at the front are shared out over consecutive
+ranks while the light ones at the back fill the ranks up::
 
-    ranks after packing (tokens, target 10):  r0 = 12   r1 = 7    r2 = 11
-    chain r0 r1 r2, cut at 10 and 20:        |a a a a a a a a a b|b b b b b b c c c c|c c c c c c c c c c|
-    r0 hands 2 tokens of its last doc to r1 (r1 receives 1 KV row), r1 takes 1 of r2's first doc.
+    sequence (densest first)   | D D D D D D D C C C B B A A |     (D reversed: tail first)
+    rank 0: front run + back run       0 0 0            0 0
+    rank 1: front run + back run             1 1 1    1
+    rank 2: the middle                             2 2
 
-Several split thresholds are tried (a document is cut when it needs more than that share of a
-rank); the plan with balanced work (max/mean <= 1.01) that receives the least KV wins, ties
-to fewer pieces. Layouts no threshold can balance (one document much longer than a rank)
-fall back to :mod:`doccp.plan.absorb`, which fixes every rank's work exactly.
+Rank r's runs end at front cut ``x`` and back cut ``y``; the ranks 0..r hold ``x + (T - y)``
+tokens and ``Wf(x) + W - Wf(y)`` work, where ``Wf`` is the work of a prefix of the sequence
+(one binary search over the documents and one closed-form pair count). Both must be ``r + 1``
+ranks' share, so ``y = x + T - K_r`` and ``x`` solves one scalar equation, independently for
+every r: a vectorised bisection, O(N log T) host work after one sort of the documents. Each
+cut then snaps to a document boundary where the work allows, moving the other cut by as many
+tokens (documents that can stay whole stay whole), and the cuts are made monotone.
+
+A document too big for one rank is one unit of the sequence at first (its parts land on
+adjacent ranks: least KV); when that cannot balance, it is cut into chunks of a fraction of a
+rank that sort by density on their own (its cheap head trails with the light documents, so a
+rank may hold its head and its tail). A cut document that could have stayed whole is then
+*pinned* whole to one rank and the rest solved again. Every candidate plan is scored
+(unbalanced, max KV received, whole-able documents cut, spread) and the best one kept; a
+handful of candidates, each O(chunks log chunks + N log T) vectorised host work, no loop over
+documents or ranks.
 """
 
 from __future__ import annotations
-
-import heapq
 
 import torch
 
 from doccp.layout import DocLayout
 from doccp.masks import Mask
-from doccp.plan.absorb import absorb
 from doccp.plan.exchange import visible_intervals
 from doccp.plan.pieces import Pieces, cut_stream, even_sizes
+from doccp.ranges import expand, repeat
 
-#: Split thresholds tried, as a share of one rank's tokens and work.
-SHARES = (1.0,)
 #: Work imbalance (max/mean) a plan must reach.
 TOLERANCE = 1.01
+#: Share of one rank's mean work a single cut may be off by after snapping (two cuts bound a
+#: rank, so a rank is off by at most twice this plus one token's work).
+SNAP_SLACK = 0.003
+#: Work beyond its need (share of the mean) a rank may end with after snapping.
+SNAP_BUDGET = 0.008
+#: Plans solved before a balanced one that still cuts a document that could stay whole is taken:
+#: when it cuts only a few (at most FEW_CUTS), the search goes on longer (a README-sized layout,
+#: where each such document is a large share of a rank); with many, each costs little KV.
+ATTEMPTS = 2
+ATTEMPTS_FEW_CUTS = 16
+FEW_CUTS = 2
+#: Rounds of pinning cut documents that could stay whole to one rank and solving again.
+PIN_ROUNDS = 3
+#: Where a cut document that could stay whole is pinned, tried in turn: the rank holding most of
+#: it, rank 0 (whose back run holds the lightest documents), the lowest of its ranks.
+PIN_TO = ("most", "zero", "first")
+#: Chunks on either side of a cut whose boundaries the cut may snap to.
+SNAP_REACH = 2
+#: Rounds of re-solving cuts that overtook their neighbour before clamping them.
+MONOTONE_ROUNDS = 4
+#: Chunks per rank's tokens that a document too big to stay whole is cut into before sorting,
+#: tried in turn: 0 keeps it one chunk (its parts land on adjacent ranks: least KV); finer
+#: chunks sort the sequence closer to token cost (balance when big documents dominate).
+CHUNKS_PER_RANK = (0, 4, 16, 64, 256, 1024)
 
 
 def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     n, lengths = world_size, layout.lengths
     if n == 1 or layout.num_tokens == 0:
         return Pieces.of(0, torch.arange(layout.num_docs), 0, lengths)
-    work = mask.pairs(0, lengths, 0, lengths)
-    candidates = [_chained(layout, n, mask, work, share) for share in SHARES]
-    scores = [_score(p, layout, n, mask) for p in candidates]
-    if all(unbalanced for unbalanced, *_ in scores):  # no threshold balanced the work
-        candidates.append(absorb(layout, n, mask, work))
-        scores.append(_score(candidates[-1], layout, n, mask))
-    return candidates[min(range(len(scores)), key=scores.__getitem__)]
+    doc_work = mask.pairs(0, lengths, 0, lengths)
+    rank_tokens = -(-layout.num_tokens // n)
+    whole = (lengths <= rank_tokens) & (doc_work.double() <= float(doc_work.sum()) / n)
+    best, best_score, attempts = None, None, 0
+    # Round 0 (no pins) of the first two chunkings both, then pinning rounds, until _done. Round
+    # 0 of a chunking is solved once (``unpinned``); a chunking that cannot balance is not pinned.
+    variants = [(c, PIN_TO[0], True) for c in CHUNKS_PER_RANK[:2]]
+    variants += [(c, pin_to, False) for pin_to in PIN_TO for c in CHUNKS_PER_RANK]
+    unpinned: dict[int, tuple] = {}
+    for chunks, pin_to, probe in variants:
+        pinned = torch.full_like(lengths, -1)
+        for round_ in range(PIN_ROUNDS + 1):
+            if round_ == 0 and chunks in unpinned:
+                pieces, score, cut = unpinned[chunks]
+            else:
+                pieces = _sequence_plan(layout, n, mask, chunks, whole, pinned, doc_work)
+                attempts += 1
+                if pieces is None:
+                    break
+                score, cut = _score(pieces, layout, n, mask, whole)
+                if round_ == 0:
+                    unpinned[chunks] = pieces, score, cut
+            if best_score is None or score < best_score:
+                best, best_score = pieces, score
+            if probe or (round_ == 0 and score[0]) or not bool(cut.any()) or _done(best_score, attempts):
+                break
+            # Pin every cut document that could stay whole to one rank (see PIN_TO); solve again.
+            part = pieces.select(cut)
+            if pin_to == "most":
+                most = torch.zeros_like(lengths).scatter_reduce(0, part.doc, part.length, "amax", include_self=True)
+                owner = part.select(part.length == most[part.doc])
+                pinned[owner.doc] = owner.rank
+            elif pin_to == "first":
+                first = torch.full_like(lengths, n).scatter_reduce(0, part.doc, part.rank, "amin", include_self=True)
+                pinned[part.doc] = first[part.doc]
+            else:
+                pinned[part.doc] = 0
+        if not probe and best_score is not None and _done(best_score, attempts):
+            break
+    return best
 
 
-def _score(pieces: Pieces, layout: DocLayout, n: int, mask: Mask) -> tuple[bool, int, int]:
-    """(unbalanced, max KV received, pieces): what the planner minimises, in that order."""
-    p = pieces.normalized()
+def _score(pieces: Pieces, layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor
+           ) -> tuple[tuple[bool, int, int, float], torch.Tensor]:
+    """(unbalanced, max KV received, documents that could stay whole but are cut, work spread):
+    what the planner minimises, in that order; and which pieces cut such documents."""
     lengths = layout.lengths
     work = torch.zeros(n, dtype=torch.float64).index_add_(
-        0, p.rank, mask.pairs(p.start, p.end, 0, lengths[p.doc]).double())
+        0, pieces.rank, mask.pairs(pieces.start, pieces.end, 0, lengths[pieces.doc]).double())
+    spread = float(work.max()) / max(float(work.mean()), 1.0)
+    p = pieces.normalized()
     seen = visible_intervals(p, lengths, mask)
     kv = torch.zeros(n, dtype=torch.int64).index_add_(0, seen.rank, seen.length).index_add_(0, p.rank, -p.length)
-    unbalanced = float(work.max()) > TOLERANCE * float(work.mean())
-    return unbalanced, int(kv.max()), len(p)
+    cut = whole[pieces.doc] & (pieces.length < lengths[pieces.doc])
+    return (spread > TOLERANCE, int(kv.max()), int(torch.unique(pieces.doc[cut]).numel()), spread), cut
 
 
-def _chained(layout: DocLayout, n: int, mask: Mask, work: torch.Tensor, share: float) -> Pieces:
+def _done(score: tuple[bool, int, int, float], attempts: int) -> bool:
+    """Whether the search stops at the best plan so far, scored by :func:`_score`."""
+    unbalanced, _, cut, _ = score
+    return not unbalanced and (cut == 0 or attempts >= (ATTEMPTS_FEW_CUTS if cut <= FEW_CUTS else ATTEMPTS))
+
+
+def _sequence_plan(layout: DocLayout, n: int, mask: Mask, chunks_per_rank: int, whole: torch.Tensor,
+                   pinned: torch.Tensor, doc_work: torch.Tensor) -> Pieces | None:
+    """The plan of the module docstring; documents ``pinned`` to a rank (>= 0) are that rank's,
+    whole, and the sequence shares out the rest (None when the pinned ones overfill a rank)."""
     lengths = layout.lengths
-    targets = even_sizes(layout.num_tokens, n)
-    mean_tokens, mean_work = layout.num_tokens / n, float(work.sum()) / n
-    split = (lengths > share * mean_tokens) | (work.double() > share * mean_work)
-    docs = torch.arange(lengths.numel())
-    parts = _cut_parts(docs[split], lengths[split], mask, max(int(share * mean_tokens), 1), share * mean_work)
-    whole = docs[~split & (lengths > 0)]
-    items = Pieces.cat([Pieces.of(-1, whole, 0, lengths[whole]), parts])
-    item_work = mask.pairs(items.start, items.end, 0, lengths[items.doc])
-    rank = _pack(items.length.tolist(), item_work.tolist(), int(targets[-1]), n)
-    return _cut_chain(items, rank, targets, n)
+    held = pinned >= 0
+    pins = Pieces.of(pinned[held], torch.nonzero(held).flatten(), 0, lengths[held])
+    tokens = even_sizes(layout.num_tokens, n) - torch.zeros(n, dtype=torch.int64).index_add_(0, pins.rank, pins.length)
+    if bool((tokens < 0).any()):
+        return None
+    need = float(doc_work.sum()) / n - torch.zeros(n, dtype=torch.float64).index_add_(
+        0, pins.rank, doc_work[held].double())
+    seq = Sequence(torch.where(held, 0, lengths), mask, -(-layout.num_tokens // n), whole, chunks_per_rank)
+    total = seq.total
+    k = torch.cumsum(tokens, 0)[:-1]  # tokens of ranks 0..r, r < N - 1
+    goal = torch.cumsum(need, 0)[:-1]
+    x = seq.solve(k, goal, torch.zeros_like(k), k.clone())
+    mean = float(doc_work.sum()) / n
+    # Snapping moves cuts within the slack, but may push one past its neighbour; then the
+    # unsnapped cuts are kept.
+    snapped = _monotone(seq, seq.snap(x, k, goal, SNAP_SLACK * mean), k, goal)
+    x = snapped if _excess(seq, snapped, k, need) <= SNAP_BUDGET * mean else _monotone(seq, x, k, goal)
+    y = x + total - k
+    sizes = torch.cat([torch.diff(x, prepend=x.new_zeros(1)), (y[-1:] - x[-1:]),
+                       torch.diff(y.flip(0), append=y.new_full((1,), total))])
+    ranks = torch.cat([torch.arange(n - 1), torch.tensor([n - 1]), torch.arange(n - 2, -1, -1)])
+    return Pieces.cat([seq.pieces(cut_stream(seq.cu, sizes), ranks), pins])
 
 
-def _cut_parts(docs: torch.Tensor, lengths: torch.Tensor, mask: Mask, max_tokens: int,
-               max_work: float) -> Pieces:
-    """Cut each document into contiguous parts from its end: every part as long as it can be
-    with at most ``max_tokens`` tokens and ``max_work`` pairs (at least one token), so the
-    late parts, whose holders receive the longest prefixes, start as early as possible."""
-    parts = []
-    end = lengths.clone()
-    while docs.numel():
-        lo = (end - max_tokens).clamp(min=0)  # the longest part allowed by tokens ...
-        hi = end - 1  # ... and the shortest: one token
-        # binary search: the smallest start in [lo, hi] whose part fits the work budget
-        while True:
-            open_ = lo < hi
-            if not bool(open_.any()):
-                break
+def _excess(seq: Sequence, x: torch.Tensor, k: torch.Tensor, need: torch.Tensor) -> float:
+    """Most work any rank holds beyond its need, for front cuts ``x``."""
+    held = torch.cat([x.new_zeros(1, dtype=torch.float64), seq.held(x, k),
+                      torch.tensor([seq.total_work], dtype=torch.float64)])
+    return float((torch.diff(held) - need).max())
+
+
+def _monotone(seq: Sequence, x: torch.Tensor, k: torch.Tensor, goal: torch.Tensor) -> torch.Tensor:
+    """Cuts whose front and back runs all have non-negative length (``x`` and ``k - x`` never
+    decrease). The held work need not grow with ``x``, so the bisection may pick a root behind
+    the previous rank's; those ranks solve again inside the window the previous cut leaves,
+    a few rounds (each settles at least the first offender), then whatever is left is clamped."""
+    tokens = torch.diff(k, prepend=k.new_zeros(1))
+    for _ in range(MONOTONE_ROUNDS):
+        lo = torch.cat([x.new_zeros(1), x[:-1]])
+        bad = (x < lo) | (x > lo + tokens)
+        if not bool(bad.any()):
+            return x
+        x = torch.where(bad, seq.solve(k, goal, lo, lo + tokens), x)
+    x = torch.cummax(x, 0).values
+    return torch.cummin(x - k, 0).values + k
+
+
+class Sequence:
+    """The plan's *chunks*, densest first, each reversed, back to back; prefix work in closed form.
+
+    A document that fits one rank (tokens and work) is one chunk: it is never cut unless a cut
+    must land in it. A larger document is cut into chunks of about a quarter of a rank, so the
+    sequence is close to sorted by token cost: a big document's expensive tail leads, its cheap
+    head trails with the light documents (and rank 0 gets both: head and tail, little KV).
+    """
+
+    def __init__(self, lengths: torch.Tensor, mask: Mask, rank_tokens: int, whole: torch.Tensor,
+                 chunks_per_rank: int):
+        self.mask = mask
+        size = max(rank_tokens // chunks_per_rank, 1) if chunks_per_rank else max(int(lengths.max()), 1)
+        one = whole | (lengths <= size)  # documents laid out as one chunk
+        count = torch.where(one, (lengths > 0).long(), -(-lengths // size))
+        doc = repeat(torch.arange(lengths.numel()), count)
+        # chunk k of a split document ends at L - k * size (the short remainder is its head)
+        from_end = expand(torch.zeros_like(count), count)
+        doc_len = lengths[doc]
+        end = torch.where(one[doc], doc_len, doc_len - from_end * size)
+        start = torch.where(one[doc], 0, (end - size).clamp(min=0))
+        work = mask.pairs(start, end, 0, doc_len)
+        density = work.double() / (end - start).double()
+        order = torch.argsort(density, descending=True, stable=True)
+        self.doc, self.start, self.doc_len, self.whole_ok = doc[order], start[order], doc_len[order], whole[doc][order]
+        self.lengths = (end - start)[order]
+        self.work = work[order]
+        self.cu = torch.cat([lengths.new_zeros(1), torch.cumsum(self.lengths, 0)])
+        self.cu_work = torch.cat([self.work.new_zeros(1), torch.cumsum(self.work, 0)]).double()
+        self.total = int(self.cu[-1])
+        self.total_work = float(self.cu_work[-1])
+
+    def locate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence document holding position ``x`` (the last one for ``x = T``) and the offset."""
+        i = (torch.searchsorted(self.cu, x, right=True) - 1).clamp(max=self.lengths.numel() - 1)
+        return i, x - self.cu[i]
+
+    def prefix_work(self, x: torch.Tensor) -> torch.Tensor:
+        """Work of the first ``x`` tokens of the sequence (float64)."""
+        i, o = self.locate(x)
+        end = self.start[i] + self.lengths[i]
+        return self.cu_work[i] + self.mask.pairs(end - o, end, 0, self.doc_len[i]).double()
+
+    def held(self, x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Work of ranks 0..r when their front runs end at ``x`` (and hold ``k`` tokens in all)."""
+        front, back = self.prefix_work(torch.cat([x, x + self.total - k])).split(x.numel())
+        return front + self.total_work - back
+
+    def solve(self, k: torch.Tensor, goal: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        """Front cut ``x`` in ``[lo, hi]`` whose held work is closest to ``goal`` (bisection; the
+        held work grows with ``x`` as long as the front is denser than the back)."""
+        lo0 = lo
+        while bool((lo < hi).any()):
             mid = (lo + hi) // 2
-            fits = mask.pairs(mid, end, 0, lengths).double() <= max_work
-            hi = torch.where(open_ & fits, mid, hi)
-            lo = torch.where(open_ & ~fits, mid + 1, lo)
-        parts.append(Pieces.of(-1, docs, lo, end))
-        more = lo > 0
-        docs, lengths, end = docs[more], lengths[more], lo[more]
-    return Pieces.cat(parts)
+            below = self.held(mid, k) < goal
+            lo = torch.where(below, mid + 1, lo)
+            hi = torch.where(below, hi, mid)
+        prev = torch.maximum(lo - 1, lo0)
+        closer = (self.held(prev, k) - goal).abs() < (self.held(lo, k) - goal).abs()
+        return torch.where(closer, prev, lo)
 
+    def snap(self, x: torch.Tensor, k: torch.Tensor, goal: torch.Tensor, slack: float) -> torch.Tensor:
+        """Move each pair of cuts (``x`` and ``y = x + T - k`` together) so that they cut as few
+        documents as possible, least KV next, while the held work stays within ``slack``."""
+        y = x + self.total - k
+        candidates = [x]
+        last = self.cu.numel() - 1
+        for cut in (x, y):
+            i = self.locate(cut)[0]
+            for j in range(-SNAP_REACH, SNAP_REACH + 2):  # this cut onto a nearby chunk boundary
+                candidates.append(x + self.cu[(i + j).clamp(0, last)] - cut)
+        cands = torch.stack(candidates, 1).clamp(min=0).minimum(k[:, None])
+        err = (self.held(cands.flatten(), k.repeat_interleave(cands.shape[1])).view_as(cands.double())
+               - goal[:, None]).abs()
+        cost = self._cut_cost(cands) + self._cut_cost(cands + (self.total - k)[:, None])
+        ok = err <= slack
+        ok[:, 0] = True  # the bisection's own cut is always allowed
+        score = torch.where(ok, cost, torch.finfo(torch.float64).max)
+        best = torch.argmin(score, 1)
+        return cands.gather(1, best[:, None]).squeeze(1)
 
-def _pack(tokens: list[int], work: list[int], room: int, n: int) -> list[int]:
-    """Largest work first, each item onto the least-loaded rank with token room for it (a
-    heap of ranks by work: O(items log N)); an item no rank has room for goes to the rank
-    with the most room. Returns the rank of every item."""
-    order = sorted(range(len(tokens)), key=lambda i: (-work[i], -tokens[i]))
-    free, load = [room] * n, [0] * n
-    heap = [(0, r) for r in range(n)]  # ranks with room left, by work
-    rank = [0] * len(tokens)
-    for i in order:
-        skipped = []
-        while heap and free[heap[0][1]] < tokens[i]:
-            skipped.append(heapq.heappop(heap))
-        if heap:
-            r = heapq.heappop(heap)[1]
-        else:
-            r = max(range(n), key=free.__getitem__)
-            skipped = [entry for entry in skipped if entry[1] != r]
-        rank[i] = r
-        free[r] -= tokens[i]
-        load[r] += work[i]
-        if free[r] > 0:
-            heapq.heappush(heap, (load[r], r))
-        for entry in skipped:
-            heapq.heappush(heap, entry)
-    return rank
+    def _cut_cost(self, cut: torch.Tensor) -> torch.Tensor:
+        """A cut inside a document: a big penalty when the document could stay whole (fits one
+        rank), plus the KV its receiver needs (the document's prefix before the cut)."""
+        i, o = self.locate(cut)
+        inside = (o > 0) & (o < self.lengths[i])
+        kv = (self.start[i] + self.lengths[i] - o).double()  # reversed chunks: the later part starts there
+        penalty = torch.where(self.whole_ok[i], float(self.total), 0.0)
+        return torch.where(inside, kv + penalty, 0.0)
 
-
-def _cut_chain(items: Pieces, rank: list[int], targets: torch.Tensor, n: int) -> Pieces:
-    """Lay every rank's items out one rank after another (ranks ordered so that token
-    surpluses cancel, each rank's items small-large-small) and cut that sequence into the
-    exact token targets; an item crossing a cut is split between the two neighbours."""
-    rank_t = torch.tensor(rank, dtype=torch.int64)
-    tokens = torch.zeros(n, dtype=torch.int64).index_add_(0, rank_t, items.length)
-    chain = _chain_order((tokens - targets[-1]).tolist())
-    position = torch.empty(n, dtype=torch.int64)
-    position[torch.tensor(chain)] = torch.arange(n)
-    # Within a rank: ascending length, alternately to the front and the back.
-    length = items.length
-    by_size = torch.argsort(position[rank_t] * (int(length.max()) + 1) + length, stable=True)
-    group = position[rank_t][by_size]
-    start_of_group = torch.searchsorted(group, group, right=False)
-    k = torch.arange(group.numel()) - start_of_group  # index within the rank, by size
-    count = torch.bincount(group, minlength=n)[group]
-    slot = torch.where(k % 2 == 0, k // 2, count - 1 - k // 2)
-    order = by_size[torch.argsort(group * group.numel() + slot)]
-    laid = items.select(order)
-    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(laid.length, 0)])
-    cut = cut_stream(cu, targets)  # targets[0] >= targets[-1]: the extra tokens go first
-    item = laid.select(cut.doc)
-    return Pieces(torch.tensor(chain)[cut.rank], item.doc, item.start + cut.start, item.start + cut.end)
-
-
-def _chain_order(surplus: list[int]) -> list[int]:
-    """Ranks in an order whose running token surplus stays near zero: take the largest
-    surplus while the running sum is <= 0, the largest deficit while it is > 0."""
-    ranked = sorted(range(len(surplus)), key=lambda r: surplus[r])
-    lo, hi, running, chain = 0, len(ranked) - 1, 0, []
-    while lo <= hi:
-        if running > 0:
-            r, lo = ranked[lo], lo + 1
-        else:
-            r, hi = ranked[hi], hi - 1
-        chain.append(r)
-        running += surplus[r]
-    return chain
+    def pieces(self, cut: Pieces, ranks: torch.Tensor) -> Pieces:
+        """Pieces of the sequence's ranges (``cut_stream`` over the chunks) as document pieces."""
+        end = self.start[cut.doc] + self.lengths[cut.doc]
+        return Pieces(ranks[cut.rank], self.doc[cut.doc], end - cut.end, end - cut.start)

@@ -18,7 +18,7 @@ import torch
 from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan.pieces import Pieces
-from doccp.ranges import expand, repeat
+from doccp.ranges import expand, index_of, repeat, take
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,9 @@ class Intervals:
         return self.end - self.start
 
     def select(self, keep: torch.Tensor) -> Intervals:
-        return Intervals(self.dst[keep], self.src[keep], self.doc[keep], self.start[keep], self.end[keep])
+        index = index_of(keep)
+        return self if index is None else Intervals(
+            *(take(c, index) for c in (self.dst, self.src, self.doc, self.start, self.end)))
 
     def tokens_received(self, world_size: int) -> torch.Tensor:
         return torch.zeros(world_size, dtype=torch.int64).index_add_(0, self.dst, self.length)
@@ -64,8 +66,8 @@ def overlaps(lo: torch.Tensor, hi: torch.Tensor, table_lo: torch.Tensor, table_h
     j = expand(first, count)
     start = torch.maximum(lo[i], table_lo[j])
     end = torch.minimum(hi[i], table_hi[j])
-    keep = end > start
-    return i[keep], j[keep], start[keep], end[keep]
+    index = index_of(end > start)
+    return take(i, index), take(j, index), take(start, index), take(end, index)
 
 
 def kv_exchange(stream: Pieces, seen: Pieces, layout: DocLayout) -> Intervals:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from doccp.ranges import index_of, take
+
 
 @dataclass(frozen=True)
 class Pieces:
@@ -50,7 +52,8 @@ class Pieces:
         return self.rank.numel()
 
     def select(self, keep: torch.Tensor | slice) -> Pieces:
-        return Pieces(self.rank[keep], self.doc[keep], self.start[keep], self.end[keep])
+        index = index_of(keep)
+        return self if index is None else Pieces(*(take(c, index) for c in (self.rank, self.doc, self.start, self.end)))
 
     def normalized(self) -> Pieces:
         """Drop empty pieces, order by (rank, doc, start) and merge touching neighbours."""
