@@ -178,7 +178,8 @@ def _monotone(seq: Sequence, x: torch.Tensor, k: torch.Tensor, goal: torch.Tenso
     """Cuts whose front and back runs all have non-negative length (``x`` and ``k - x`` never
     decrease). The held work need not grow with ``x``, so the bisection may pick a root behind
     the previous rank's; those ranks solve again inside the window the previous cut leaves,
-    a few rounds (each settles at least the first offender), then whatever is left is clamped."""
+    a few rounds (each settles at least the first offender), then whatever is left is clamped
+    (a plan that loses its balance that way scores as unbalanced and another one is kept)."""
     tokens = torch.diff(k, prepend=k.new_zeros(1))
     for _ in range(MONOTONE_ROUNDS):
         lo = torch.cat([x.new_zeros(1), x[:-1]])
@@ -187,7 +188,9 @@ def _monotone(seq: Sequence, x: torch.Tensor, k: torch.Tensor, goal: torch.Tenso
             return x
         x = torch.where(bad, seq.solve(k, goal, lo, lo + tokens), x)
     x = torch.cummax(x, 0).values
-    return torch.cummin(x - k, 0).values + k
+    x = torch.cummin(x - k, 0).values + k
+    # The two clamps can undo each other; runs of length in [0, tokens] by construction:
+    return torch.cumsum(torch.diff(x, prepend=x.new_zeros(1)).clamp(min=0).minimum(tokens), 0)
 
 
 class Sequence:
