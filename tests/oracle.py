@@ -66,3 +66,15 @@ def expect_errors(calls: dict, rank: int) -> list[str]:
         else:
             raise AssertionError(f"{name}: no error on rank {rank}")
     return messages
+
+
+def assert_rank_matches(got: dict, ref_out, ref_lse, ref_grads, idx, what: str) -> None:
+    """One rank's ``out``, ``lse`` and ``dq/dk/dv`` (fp32 CP results) against the float64 oracle's
+    rows ``idx`` of that rank: out/lse within 2e-5, gradients within 1e-4, ``-inf`` lse exactly
+    where the oracle has it."""
+    torch.testing.assert_close(got["out"].double(), ref_out[idx].detach(), atol=2e-5, rtol=0, msg=what)
+    finite = torch.isfinite(ref_lse[:, idx])
+    assert torch.equal(torch.isfinite(got["lse"]), finite), what
+    torch.testing.assert_close(got["lse"].double()[finite], ref_lse[:, idx][finite], atol=2e-5, rtol=0)
+    for name, ref in zip(("dq", "dk", "dv"), ref_grads, strict=True):
+        torch.testing.assert_close(got[name].double(), ref[idx], atol=1e-4, rtol=0, msg=f"{what} {name}")
