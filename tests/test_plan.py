@@ -382,3 +382,71 @@ def test_lower_bound_is_below_every_balanced_plan(mask):
             s = plan(layout, n, mask, strategy).stats()
             if s.imbalance <= 1.01:
                 assert max(s.kv_recv) >= bound, (lengths, n, strategy)
+
+
+def _best_max_kv(lengths: list[int], n: int, mask: Mask, tolerance: float) -> int | None:
+    """The least max KV of ANY plan (tokens within one, work max/mean <= tolerance), by trying
+    every assignment of tokens to ranks; None when no assignment balances."""
+    import itertools
+    docs = [(d, i) for d, length in enumerate(lengths) for i in range(length)]
+    sees = {}  # per token: the keys (doc, j) it sees, and its work
+    for d, i in docs:
+        lo, hi = (int(x) for x in mask.visible_keys(torch.tensor([i]), torch.tensor([i + 1]), lengths[d]))
+        sees[d, i] = {(d, j) for j in range(lo, hi)}
+    mean = sum(len(s) for s in sees.values()) / n
+    best = None
+    for owners in itertools.product(range(n), repeat=len(docs) - 1):
+        owners = (0, *owners)  # ranks are interchangeable: the first token on rank 0
+        held = [{t for t, r in zip(docs, owners, strict=True) if r == rank} for rank in range(n)]
+        sizes = [len(h) for h in held]
+        if max(sizes) - min(sizes) > 1 or max(sum(len(sees[t]) for t in h) for h in held) > tolerance * mean:
+            continue
+        kv = max(len(set().union(*(sees[t] for t in h)) - h) for h in held)
+        best = kv if best is None else min(best, kv)
+    return best
+
+
+@pytest.mark.parametrize("mask", [Mask.causal(), Mask.full(), Mask.sliding_window(3), Mask.chunked(3)], ids=str)
+def test_lower_bound_is_below_the_optimum(mask):
+    """Against every possible plan of tiny layouts (exhaustive search): the bound never exceeds
+    the least max KV any balanced plan achieves, and the balanced planner's plan, when balanced,
+    is never below it."""
+    from doccp.plan.bound import kv_lower_bound
+    rng = random.Random(f"optimum {mask}")
+    checked = 0
+    for _ in range(40):
+        n = rng.choice([2, 2, 3])
+        lengths = [rng.randint(1, 7) for _ in range(rng.randint(1, 3))][: 9 if n == 2 else 7]
+        while sum(lengths) > (10 if n == 2 else 7):
+            lengths.pop()
+        for tolerance in (1.0, 1.25):
+            best = _best_max_kv(lengths, n, mask, tolerance)
+            if best is None:
+                continue
+            bound = kv_lower_bound(DocLayout.from_lengths(lengths), n, mask, tolerance)
+            assert bound <= best, (lengths, n, tolerance, bound, best)
+            checked += bound > 0
+    assert checked >= 5  # the comparison is not vacuous
+
+
+def test_lower_bound_of_one_document_over_two_ranks():
+    """The second figure of the bound (module docstring example) and the head + tail plan that
+    comes within 1.2x of it."""
+    from doccp.plan.bound import kv_lower_bound
+    layout = DocLayout.from_lengths([100] + [1] * 100)
+    assert kv_lower_bound(layout, 2, Mask.causal()) == 35
+    s = plan(layout, 2).stats()
+    assert s.imbalance <= 1.01 and max(s.kv_recv) <= 1.2 * 35
+
+
+def test_balanced_holds_head_and_tail_of_a_dominant_document():
+    """One document of ~57% of the tokens over 2 ranks (the Pareto mix's worst case): its tail
+    alone on a rank would need a prefix of ~0.7 L; head and tail on one rank need only the
+    middle, and the other rank only the head."""
+    layout = DocLayout.from_lengths([7000] + [40] * 130)
+    p = plan(layout, 2)
+    s = p.stats()
+    assert s.imbalance <= 1.01 and max(s.tokens) - min(s.tokens) <= 1
+    assert max(s.kv_recv) <= 0.5 * 7000, s.kv_recv
+    holders = [sorted((a, b) for d, a, b in p.pieces(r) if d == 0) for r in range(2)]
+    assert sorted(len(h) for h in holders) == [1, 2], holders  # head + tail on one rank, the middle on the other

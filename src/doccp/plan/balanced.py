@@ -24,9 +24,11 @@ cut then snaps to a document boundary where the work allows, moving the other cu
 tokens (documents that can stay whole stay whole), and the cuts are made monotone.
 
 A document too big for one rank is one unit of the sequence at first (its parts land on
-adjacent ranks: least KV); when that cannot balance, it is cut into chunks of a fraction of a
-rank that sort by density on their own (its cheap head trails with the light documents, so a
-rank may hold its head and its tail). A cut document that could have stayed whole is then
+adjacent ranks); it is also tried with its head moved to the back of the sequence (the ranks
+holding its tail hold its head too and receive only its middle: for one document cut over two
+ranks, a head of 40% halves the KV of the worse rank to about 0.46 L, close to the optimum),
+and when neither balances, it is cut into chunks of a fraction of a rank that sort by density on
+their own (its cheap head trails with the light documents). A cut document that could have stayed whole is then
 *pinned* whole to one rank and the rest solved again. Every candidate plan is scored
 (unbalanced, max KV received, whole-able documents cut, spread) and the best one kept; a
 handful of candidates, each O(chunks log chunks + N log T) vectorised host work, no loop over
@@ -34,6 +36,8 @@ documents or ranks.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -56,6 +60,8 @@ SNAP_BUDGET = 0.008
 ATTEMPTS = 2
 ATTEMPTS_FEW_CUTS = 16
 FEW_CUTS = 2
+#: Max KV a plan may give up (share) to cut fewer documents that could stay whole.
+KV_SLACK = 0.05
 #: Rounds of pinning cut documents that could stay whole to one rank and solving again.
 PIN_ROUNDS = 3
 #: Where a cut document that could stay whole is pinned, tried in turn: the rank holding most of
@@ -69,6 +75,22 @@ MONOTONE_ROUNDS = 4
 #: tried in turn: 0 keeps it one chunk (its parts land on adjacent ranks: least KV); finer
 #: chunks sort the sequence closer to token cost (balance when big documents dominate).
 CHUNKS_PER_RANK = (0, 4, 16, 64, 256, 1024)
+#: Share of a document too big to stay whole that goes, as its *head*, to the very back of the
+#: sequence (tried in turn): the ranks holding its tail then hold its head too and receive only
+#: the middle (one document of 57% of the tokens over 2 ranks: 47% of an all-gather, not 79%).
+HEAD_BACK = (0.2, 0.4)
+#: ... tried only where the best plan of the first probes receives more than this share of an
+#: all-gather (a cut document's long prefix dominates: the case they fix; each try costs a solve).
+HEAD_BACK_ABOVE = 0.25
+
+
+class Chunking(NamedTuple):
+    """How the sequence lays out documents too big to stay whole: ``per_rank`` chunks per rank's
+    tokens sorted by density (0: one chunk), or, with ``head_back``, the document's tail by
+    density and its first ``head_back`` share last."""
+
+    per_rank: int
+    head_back: float = 0.0
 
 
 def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
@@ -79,25 +101,34 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     rank_tokens = -(-layout.num_tokens // n)
     whole = (lengths <= rank_tokens) & (doc_work.double() <= float(doc_work.sum()) / n)
     best, best_score, attempts = None, None, 0
-    # Round 0 (no pins) of the first two chunkings both, then pinning rounds, until _done. Round
-    # 0 of a chunking is solved once (``unpinned``); a chunking that cannot balance is not pinned.
-    variants = [(c, PIN_TO[0], True) for c in CHUNKS_PER_RANK[:2]]
-    variants += [(c, pin_to, False) for pin_to in PIN_TO for c in CHUNKS_PER_RANK]
-    unpinned: dict[int, tuple] = {}
-    for chunks, pin_to, probe in variants:
+    # Round 0 (no pins) of the probes, then pinning rounds, until _done. Round 0 of a chunking is
+    # solved once (``unpinned``); a chunking that cannot balance is not pinned.
+    chunkings = [Chunking(c) for c in CHUNKS_PER_RANK]
+
+    def variants():
+        yield from ((c, PIN_TO[0], True) for c in chunkings[:2])
+        # Head-at-back layouts where a document cannot stay whole and the KV is still heavy.
+        allgather = layout.num_tokens - layout.num_tokens // n
+        heavy = best_score is None or best_score[1] > HEAD_BACK_ABOVE * allgather
+        heads = [Chunking(0, h) for h in HEAD_BACK] if heavy and not bool(whole.all()) else []
+        yield from ((c, PIN_TO[0], True) for c in heads)
+        yield from ((c, pin_to, False) for pin_to in PIN_TO for c in [*chunkings, *heads])
+
+    unpinned: dict[Chunking, tuple] = {}
+    for chunks, pin_to, probe in variants():
         pinned = torch.full_like(lengths, -1)
         for round_ in range(PIN_ROUNDS + 1):
             if round_ == 0 and chunks in unpinned:
                 pieces, score, cut = unpinned[chunks]
             else:
                 pieces = _sequence_plan(layout, n, mask, chunks, whole, pinned, doc_work)
-                attempts += 1
+                attempts += not (probe and chunks.head_back)  # head probes come on top of the budget
                 if pieces is None:
                     break
                 score, cut = _score(pieces, layout, n, mask, whole)
                 if round_ == 0:
                     unpinned[chunks] = pieces, score, cut
-            if best_score is None or score < best_score:
+            if best_score is None or _better(score, best_score):
                 best, best_score = pieces, score
             if probe or (round_ == 0 and score[0]) or not bool(cut.any()) or _done(best_score, attempts):
                 break
@@ -132,13 +163,24 @@ def _score(pieces: Pieces, layout: DocLayout, n: int, mask: Mask, whole: torch.T
     return (spread > TOLERANCE, int(kv.max()), int(torch.unique(pieces.doc[cut]).numel()), spread), cut
 
 
+def _better(score: tuple[bool, int, int, float], best: tuple[bool, int, int, float]) -> bool:
+    """Whether a plan scored ``score`` beats the best so far: lexicographic on :func:`_score`,
+    except that a plan cutting fewer documents that could stay whole wins while its max KV is
+    within ``KV_SLACK`` of the other's (short documents stay whole for a few % of KV)."""
+    if score[0] != best[0]:
+        return best[0]
+    if score[2] != best[2] and min(score[1], best[1]) * (1 + KV_SLACK) >= max(score[1], best[1]):
+        return score[2] < best[2]
+    return score < best
+
+
 def _done(score: tuple[bool, int, int, float], attempts: int) -> bool:
     """Whether the search stops at the best plan so far, scored by :func:`_score`."""
     unbalanced, _, cut, _ = score
     return not unbalanced and (cut == 0 or attempts >= (ATTEMPTS_FEW_CUTS if cut <= FEW_CUTS else ATTEMPTS))
 
 
-def _sequence_plan(layout: DocLayout, n: int, mask: Mask, chunks_per_rank: int, whole: torch.Tensor,
+def _sequence_plan(layout: DocLayout, n: int, mask: Mask, chunking: Chunking, whole: torch.Tensor,
                    pinned: torch.Tensor, doc_work: torch.Tensor) -> Pieces | None:
     """The plan of the module docstring; documents ``pinned`` to a rank (>= 0) are that rank's,
     whole, and the sequence shares out the rest (None when the pinned ones overfill a rank)."""
@@ -150,7 +192,7 @@ def _sequence_plan(layout: DocLayout, n: int, mask: Mask, chunks_per_rank: int, 
         return None
     need = float(doc_work.sum()) / n - torch.zeros(n, dtype=torch.float64).index_add_(
         0, pins.rank, doc_work[held].double())
-    seq = Sequence(torch.where(held, 0, lengths), mask, -(-layout.num_tokens // n), whole, chunks_per_rank)
+    seq = Sequence(torch.where(held, 0, lengths), mask, -(-layout.num_tokens // n), whole, chunking)
     total = seq.total
     k = torch.cumsum(tokens, 0)[:-1]  # tokens of ranks 0..r, r < N - 1
     goal = torch.cumsum(need, 0)[:-1]
@@ -197,26 +239,37 @@ class Sequence:
     """The plan's *chunks*, densest first, each reversed, back to back; prefix work in closed form.
 
     A document that fits one rank (tokens and work) is one chunk: it is never cut unless a cut
-    must land in it. A larger document is cut into chunks of about a quarter of a rank, so the
-    sequence is close to sorted by token cost: a big document's expensive tail leads, its cheap
-    head trails with the light documents (and rank 0 gets both: head and tail, little KV).
+    must land in it. A larger document is laid out by the :class:`Chunking`: one chunk, or
+    chunks of a fraction of a rank that sort by density on their own (a big document's expensive
+    tail leads, its cheap head trails with the light documents), or its tail by density and its
+    head at the very back (the ranks that take the tail from the front take the head from the
+    back: head and tail on the same ranks, only the middle to receive).
     """
 
     def __init__(self, lengths: torch.Tensor, mask: Mask, rank_tokens: int, whole: torch.Tensor,
-                 chunks_per_rank: int):
+                 chunking: Chunking):
         self.mask = mask
-        size = max(rank_tokens // chunks_per_rank, 1) if chunks_per_rank else max(int(lengths.max()), 1)
-        one = whole | (lengths <= size)  # documents laid out as one chunk
-        count = torch.where(one, (lengths > 0).long(), -(-lengths // size))
+        chunks_per_rank, head_back = chunking
+        if head_back:  # tail and head: the split document's chunk k = 0 starts at head_back * L
+            one, count = whole, torch.where(whole, (lengths > 0).long(), 2)
+        else:
+            size = max(rank_tokens // chunks_per_rank, 1) if chunks_per_rank else max(int(lengths.max()), 1)
+            one = whole | (lengths <= size)  # documents laid out as one chunk
+            count = torch.where(one, (lengths > 0).long(), -(-lengths // size))
         doc = repeat(torch.arange(lengths.numel()), count)
-        # chunk k of a split document ends at L - k * size (the short remainder is its head)
-        from_end = expand(torch.zeros_like(count), count)
+        from_end = expand(torch.zeros_like(count), count)  # chunk k of a document, from its end
         doc_len = lengths[doc]
-        end = torch.where(one[doc], doc_len, doc_len - from_end * size)
-        start = torch.where(one[doc], 0, (end - size).clamp(min=0))
+        if head_back:
+            split = (doc_len * head_back).long()
+            end = torch.where(one[doc] | (from_end == 0), doc_len, split)
+            start = torch.where(one[doc] | (from_end > 0), 0, split)
+        else:  # chunk k ends at L - k * size (the short remainder is the head)
+            end = torch.where(one[doc], doc_len, doc_len - from_end * size)
+            start = torch.where(one[doc], 0, (end - size).clamp(min=0))
         work = mask.pairs(start, end, 0, doc_len)
-        density = work.double() / (end - start).double()
-        order = torch.argsort(density, descending=True, stable=True)
+        order = torch.argsort(work.double() / (end - start).clamp(min=1).double(), descending=True, stable=True)
+        if head_back:  # heads last
+            order = order[torch.argsort((~one[doc] & (from_end > 0))[order].to(torch.int8), stable=True)]
         self.doc, self.start, self.doc_len, self.whole_ok = doc[order], start[order], doc_len[order], whole[doc][order]
         self.lengths = (end - start)[order]
         self.work = work[order]
