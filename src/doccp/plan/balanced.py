@@ -24,15 +24,15 @@ cut then snaps to a document boundary where the work allows, moving the other cu
 tokens (documents that can stay whole stay whole), and the cuts are made monotone.
 
 A document too big for one rank is one unit of the sequence at first (its parts land on
-adjacent ranks); it is also tried with its head moved to the back of the sequence (the ranks
-holding its tail hold its head too and receive only its middle: for one document cut over two
-ranks, a head of 40% halves the KV of the worse rank to about 0.46 L, close to the optimum),
-and when neither balances, it is cut into chunks of a fraction of a rank that sort by density on
-their own (its cheap head trails with the light documents). A cut document that could have stayed whole is then
-*pinned* whole to one rank and the rest solved again. Every candidate plan is scored
-(unbalanced, max KV received, whole-able documents cut, spread) and the best one kept; a
-handful of candidates, each O(chunks log chunks + N log T) vectorised host work, no loop over
-documents or ranks.
+adjacent ranks); it is also tried with its head moved to the back of the sequence, where the
+KV is heavy (the ranks holding its tail hold its head too and receive only its middle: for one
+document over two ranks the worse rank receives about 0.46 L instead of 0.71 L, close to the
+optimum), and when neither balances, it is cut into chunks of a fraction of a rank that sort by
+density on their own (its cheap head trails with the light documents). A cut document that
+could have stayed whole is then *pinned* whole to one rank and the rest solved again. Every
+candidate plan is scored (unbalanced, max KV received, whole-able documents cut, spread) and the
+best one kept; a handful of candidates, each O(chunks log chunks + N log T) vectorised host
+work, no loop over documents or ranks.
 """
 
 from __future__ import annotations
