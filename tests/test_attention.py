@@ -194,6 +194,32 @@ def test_attention_balanced_plans_odd_world():
     check(spawn(run_cases, 3, 3, cases, threads=1), cases, 3)
 
 
+def _from_bisection(lengths: list[int], n: int, mask: Mask) -> bool:
+    """Whether ``balanced`` takes the recursive bisection planner's plan for this layout."""
+    import importlib
+    balanced = importlib.import_module("doccp.plan.balanced")
+    layout = DocLayout.from_lengths(lengths)
+    work = mask.pairs(0, layout.lengths, 0, layout.lengths)
+    whole = (layout.lengths <= -(-layout.num_tokens // n)) & (work.double() <= float(work.sum()) / n)
+    ours = balanced._bisection_plan(layout, n, mask, whole).stream_normalized()
+    theirs = doccp.plan(layout, n, mask).stream_pieces
+    return len(ours) == len(theirs) and all(bool((getattr(ours, f) == getattr(theirs, f)).all())
+                                            for f in ("rank", "doc", "start", "end"))
+
+
+@pytest.mark.parametrize("world_size, lengths, masks", [
+    (3, [0, 0, 51, 5, 60, 1], [Mask.causal()]),
+    (5, [1, 37, 0, 0, 33, 65, 7], [Mask.sliding_window(4, 3), Mask.chunked(16)]),
+])
+def test_attention_bisection_plans(world_size, lengths, masks):
+    """Plans of the recursive bisection (big documents on groups of ranks, heads and tails
+    together) at odd N, with zero-length and 1-token documents."""
+    assert all(_from_bisection(lengths, world_size, mask) for mask in masks)  # the plans under test
+    cases = [(lengths, "balanced", mask, algorithm, i)
+             for i, (mask, algorithm) in enumerate(itertools.product(masks, ALGORITHMS))]
+    check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
+
+
 def test_chunks_that_do_not_straddle_ranks_move_nothing():
     """A chunk needs only its own keys: cut at chunk boundaries, CP exchanges no KV at all, while
     a cut inside a chunk sends just that chunk's head."""

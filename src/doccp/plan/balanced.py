@@ -29,10 +29,18 @@ KV is heavy (the ranks holding its tail hold its head too and receive only its m
 document over two ranks the worse rank receives about 0.46 L instead of 0.71 L, close to the
 optimum), and when neither balances, it is cut into chunks of a fraction of a rank that sort by
 density on their own (its cheap head trails with the light documents). A cut document that
-could have stayed whole is then *pinned* whole to one rank and the rest solved again. Every
-candidate plan is scored (unbalanced, max KV received, whole-able documents cut, spread) and the
-best one kept; a handful of candidates, each O(chunks log chunks + N log T) vectorised host
-work, no loop over documents or ranks.
+could have stayed whole is then *pinned* whole to one rank and the rest solved again.
+
+One sequence for all ranks pairs the documents at its front with those at its back on the same
+ranks; where big documents fill groups of ranks, that puts one's tail and another's head on one
+rank, which then receives most of both prefixes. So, where the KV is not small, a recursive
+*bisection* is tried too (:func:`_bisection_plan`): the ranks split into two groups, each with
+its own sequence, again and again; the split (how many ranks, where the cuts fall) is chosen to
+cut the least KV, so a big document goes to a group of ranks of its own.
+
+Every candidate plan is scored (unbalanced, max KV received, whole-able documents cut, spread)
+and the best one kept; a handful of candidates, each O(chunks log chunks + N log T) vectorised
+host work (the bisection: O(log N) levels of it), no loop over documents or ranks.
 """
 
 from __future__ import annotations
@@ -75,6 +83,18 @@ MONOTONE_ROUNDS = 4
 #: tried in turn: 0 keeps it one chunk (its parts land on adjacent ranks: least KV); finer
 #: chunks sort the sequence closer to token cost (balance when big documents dominate).
 CHUNKS_PER_RANK = (0, 4, 16, 64, 256, 1024)
+#: The recursive bisection planner (one more candidate, N > 2) is tried where the best plan so far
+#: receives more than this share of an all-gather (it costs O(log N) solves).
+BISECT_ABOVE = 0.05
+#: Relative work error the bisection planner's group splits may take in all (a rank's work is
+#: its group's share; what a split misses is spread over the group's ranks).
+BISECT_BUDGET = 0.006
+#: Most group splits (first ranks of the group) the bisection planner tries per group.
+SPLIT_TRIES = 16
+#: Brackets per candidate split in which the bisection planner looks for a cut pair.
+BRACKETS = 8
+#: Chunks per group whose edges the bisection planner tries as cuts (the biggest ones).
+BIG_CHUNKS = 4
 #: Share of a document too big to stay whole that goes, as its *head*, to the very back of the
 #: sequence (tried in turn): the ranks holding its tail then hold its head too and receive only
 #: the middle (one document of 57% of the tokens over 2 ranks: 47% of an all-gather, not 79%).
@@ -145,6 +165,12 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
                 pinned[part.doc] = 0
         if not probe and best_score is not None and _done(best_score, attempts):
             break
+    # Recursive bisection where the KV is not small (documents that fill groups of ranks).
+    if n > 2 and (best_score[0] or best_score[1] > BISECT_ABOVE * (layout.num_tokens - layout.num_tokens // n)):
+        pieces = _bisection_plan(layout, n, mask, whole)
+        score = _score(pieces, layout, n, mask, whole)[0]
+        if _better(score, best_score):
+            best = pieces
     return best
 
 
@@ -192,7 +218,7 @@ def _sequence_plan(layout: DocLayout, n: int, mask: Mask, chunking: Chunking, wh
         return None
     need = float(doc_work.sum()) / n - torch.zeros(n, dtype=torch.float64).index_add_(
         0, pins.rank, doc_work[held].double())
-    seq = Sequence(torch.where(held, 0, lengths), mask, -(-layout.num_tokens // n), whole, chunking)
+    seq = Sequence.of_layout(torch.where(held, 0, lengths), mask, -(-layout.num_tokens // n), whole, chunking)
     total = seq.total
     k = torch.cumsum(tokens, 0)[:-1]  # tokens of ranks 0..r, r < N - 1
     goal = torch.cumsum(need, 0)[:-1]
@@ -207,6 +233,114 @@ def _sequence_plan(layout: DocLayout, n: int, mask: Mask, chunking: Chunking, wh
                        torch.diff(y.flip(0), append=y.new_full((1,), total))])
     ranks = torch.cat([torch.arange(n - 1), torch.tensor([n - 1]), torch.arange(n - 2, -1, -1)])
     return Pieces.cat([seq.pieces(cut_stream(seq.cu, sizes), ranks), pins])
+
+
+def _bisection_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor) -> Pieces:
+    """Recursive bisection: a group of ``k`` ranks gives its first ``h`` ranks a front run and a
+    back run of *its own* sequence (its chunks sorted by density) with their share of the
+    group's tokens and work, the rest the middle; every group of a level is solved at once.
+
+    Per group, every ``h`` of the middle half is tried, each with the cut pair the bisection
+    finds and with cut pairs that keep a big chunk whole (one cut on its boundary); the pair
+    cutting least KV wins, and it may miss the work share by what the group's ranks can absorb
+    (the groups below share the group's actual work; :data:`BISECT_BUDGET` in all). So a
+    document goes whole to a group of ranks sized for it, its head and tail together::
+
+        two documents A, B of half the tokens each, N = 4 (one global sequence gives every
+        rank part of both: each receives most of both prefixes)
+        level 1: ranks 0-1 <- A whole (+ a little of B's cheap head), ranks 2-3 <- the rest of B
+        level 2: within each group, front + back: A's tail and head on one rank, its middle on the other
+    """
+    lengths = layout.lengths
+    rank_cu = torch.cat([lengths.new_zeros(1), torch.cumsum(even_sizes(layout.num_tokens, n), 0)])
+    first, count = lengths.new_zeros(1), lengths.new_full((1,), n)  # the rank groups
+    budget = torch.full((1,), BISECT_BUDGET, dtype=torch.float64)  # relative work error a group may still take
+    doc = torch.nonzero(lengths > 0).flatten()
+    chunks = Pieces(torch.zeros_like(doc), doc, torch.zeros_like(doc), lengths[doc])  # rank: the chunk's group
+    slack = SNAP_SLACK * float(mask.pairs(0, lengths, 0, lengths).sum()) / n
+    while bool((count > 1).any()):
+        seq = Sequence(chunks.doc, chunks.start, chunks.end, lengths, whole, mask, group=chunks.rank,
+                       groups=count.numel())
+        split = count > 1
+        g, h, k, x, used = _group_splits(seq, rank_cu, first, count, budget, slack)
+        # Cut every group's sequence into front | middle | back (one run for a group of one rank).
+        base, tokens = seq.group_bounds(None)[:2]
+        front, middle = tokens.clone(), torch.zeros_like(tokens)
+        front[g], middle[g] = x, tokens[g] - k
+        back = tokens - front - middle
+        new = torch.cumsum(1 + split.long(), 0) - 1 - split.long()  # first new group of each group
+        labels = torch.stack([new, new + 1, new], 1).flatten()
+        chunks = seq.pieces(cut_stream(seq.cu, torch.stack([front, middle, back], 1).flatten()), labels)
+        size = int(new[-1]) + 1 + int(split[-1])
+        a, b = new[g], new[g] + 1  # the split groups' halves
+        first, count, budget = (t.new_zeros(size).index_copy_(0, new, t) for t in (first, count, budget))
+        first[b], count[b], budget[b] = first[a] + h, count[a] - h, budget[a] - used
+        count[a], budget[a] = h, budget[b]
+    return Pieces(first[chunks.rank], chunks.doc, chunks.start, chunks.end)
+
+
+def _group_splits(seq: Sequence, rank_cu: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
+                  budget: torch.Tensor, slack: float) -> tuple[torch.Tensor, ...]:
+    """For every group of more than one rank: ``(group, h, tokens of its first h ranks, front
+    cut, relative work error taken)`` of its best split (see :func:`_bisection_plan`)."""
+    # Candidate splits: the first h ranks, h within the middle half (at most SPLIT_TRIES, evenly spaced).
+    low = (count // 4).clamp(min=1)
+    span = count - 2 * low
+    tries = torch.where(count > 1, (span + 1).clamp(max=SPLIT_TRIES), 0)
+    g = repeat(torch.arange(count.numel()), tries)
+    h = low[g] + expand(torch.zeros_like(tries), tries) * span[g] // (tries[g] - 1).clamp(min=1)
+    k = rank_cu[first[g] + h] - rank_cu[first[g]]
+    base, tokens, work0, work1 = seq.group_bounds(g)
+    goal = (work1 - work0) * h.double() / count[g].double()
+
+    def each(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k, goal, g) repeated for ``x`` of shape [candidates, width]."""
+        return tuple(t.repeat_interleave(x.shape[1]) for t in (k, goal, g))
+
+    # The held work need not be monotone in x: a root in every bracket where it crosses the goal.
+    grid = k[:, None] * torch.arange(BRACKETS + 1) // BRACKETS
+    k_, goal_, g_ = each(grid)
+    above = (seq.held(grid.flatten(), k_, g_) >= goal_).view(grid.shape)
+    crosses = above[:, 1:] != above[:, :-1]
+    crosses[:, 0] |= ~crosses.any(1)  # no crossing: the closest point of the first bracket
+    k_, goal_, g_ = each(crosses)
+    roots = seq.solve(k_, goal_, grid[:, :-1].flatten(), grid[:, 1:].flatten(), g_, (~above[:, :-1]).flatten())
+    roots = seq.snap(roots, k_, goal_, slack, g_).view(crosses.shape)
+    # And cut pairs keeping a big chunk whole: its edges as the front or as the back cut.
+    edges = _big_chunk_edges(seq, count.numel())[g] - base[:, None]
+    rest = (tokens - k)[:, None]
+    x = torch.cat([roots, edges, edges - rest], 1)
+    valid = torch.cat([crosses, edges <= k[:, None], edges >= rest], 1)
+    x = x.clamp(min=0).minimum(k[:, None])
+    k_, goal_, g_ = each(x)
+    err = (seq.held(x.flatten(), k_, g_) - goal_).view(x.shape).abs()
+    rel = err / torch.minimum(goal, work1 - work0 - goal).clamp(min=1.0)[:, None]
+    valid &= (rel <= budget[g][:, None]) | (torch.arange(x.shape[1]) < BRACKETS)  # roots: within the slack
+    front = base[:, None] + x
+    cost = seq.cut_cost(front) + seq.cut_cost(front + rest)
+    # Per group: least KV (documents that could stay whole first), then the most even h, the least error.
+    key = torch.where(valid, cost, torch.inf) * (2 * int(count.max())) + rel.clamp(max=0.5)
+    key += (2 * h - count[g]).abs().double()[:, None]
+    row_best, col = key.min(1)
+    best = torch.full((count.numel(),), torch.inf, dtype=torch.float64).scatter_reduce(0, g, row_best, "amin")
+    pick = torch.nonzero(row_best == best[g]).flatten()
+    pick = pick[torch.cat([torch.ones(1, dtype=torch.bool), g[pick[1:]] != g[pick[:-1]]])]  # first per group
+    return g[pick], h[pick], k[pick], x[pick, col[pick]], rel[pick, col[pick]]
+
+
+def _big_chunk_edges(seq: Sequence, groups: int) -> torch.Tensor:
+    """Sequence positions of both edges of each group's :data:`BIG_CHUNKS` longest chunks
+    (``[groups, 2 * BIG_CHUNKS]``; a group with fewer chunks repeats its first edge)."""
+    chunk_group = repeat(torch.arange(groups), torch.diff(seq.group_chunks))
+    order = torch.argsort(seq.lengths, descending=True, stable=True)
+    order = order[torch.argsort(chunk_group[order], stable=True)]  # by group, longest first
+    rank = torch.arange(order.numel()) - seq.group_chunks[chunk_group[order]]
+    keep = rank < BIG_CHUNKS
+    edges = seq.group_cu[:-1, None].repeat(1, 2 * BIG_CHUNKS)
+    i = order[keep]
+    edges[chunk_group[i], rank[keep]] = seq.cu[i]
+    edges[chunk_group[i], BIG_CHUNKS + rank[keep]] = seq.cu[i + 1]
+    return edges
 
 
 def _excess(seq: Sequence, x: torch.Tensor, k: torch.Tensor, need: torch.Tensor) -> float:
@@ -244,11 +378,39 @@ class Sequence:
     tail leads, its cheap head trails with the light documents), or its tail by density and its
     head at the very back (the ranks that take the tail from the front take the head from the
     back: head and tail on the same ranks, only the middle to receive).
+
+    Chunks may belong to *groups* (the bisection planner's rank groups): each group's chunks are
+    one sequence of their own, back to back with the next group's, and ``held``/``solve``/``snap``
+    take the group of each query (``g``; None: one group, the whole sequence).
     """
 
-    def __init__(self, lengths: torch.Tensor, mask: Mask, rank_tokens: int, whole: torch.Tensor,
-                 chunking: Chunking):
+    def __init__(self, doc: torch.Tensor, start: torch.Tensor, end: torch.Tensor, lengths: torch.Tensor,
+                 whole: torch.Tensor, mask: Mask, last: torch.Tensor | None = None,
+                 group: torch.Tensor | None = None, groups: int = 1):
+        """Chunks ``[start, end)`` of documents ``doc``, ordered by ``group``, then ``last``
+        (False first), then density (work per token) descending."""
         self.mask = mask
+        doc_len = lengths[doc]
+        work = mask.pairs(start, end, 0, doc_len)
+        order = torch.argsort(work.double() / (end - start).clamp(min=1).double(), descending=True, stable=True)
+        for key in (last, group):
+            if key is not None:
+                order = order[torch.argsort(key[order].to(torch.int32), stable=True)]
+        self.doc, self.start, self.doc_len, self.whole_ok = doc[order], start[order], doc_len[order], whole[doc][order]
+        self.lengths = (end - start)[order]
+        self.work = work[order]
+        self.cu = torch.cat([lengths.new_zeros(1), torch.cumsum(self.lengths, 0)])
+        self.cu_work = torch.cat([self.work.new_zeros(1), torch.cumsum(self.work, 0)]).double()
+        self.total = int(self.cu[-1])
+        self.total_work = float(self.cu_work[-1])
+        sizes = torch.bincount(group, minlength=groups) if group is not None else doc.new_full((1,), doc.numel())
+        self.group_chunks = torch.cat([sizes.new_zeros(1), torch.cumsum(sizes, 0)])  # chunk bounds of each group
+        self.group_cu, self.group_cu_work = self.cu[self.group_chunks], self.cu_work[self.group_chunks]
+
+    @classmethod
+    def of_layout(cls, lengths: torch.Tensor, mask: Mask, rank_tokens: int, whole: torch.Tensor,
+                  chunking: Chunking) -> Sequence:
+        """Every document's chunks as the :class:`Chunking` lays them out (one group)."""
         chunks_per_rank, head_back = chunking
         if head_back:  # tail and head: the split document's chunk k = 0 starts at head_back * L
             one, count = whole, torch.where(whole, (lengths > 0).long(), 2)
@@ -266,17 +428,17 @@ class Sequence:
         else:  # chunk k ends at L - k * size (the short remainder is the head)
             end = torch.where(one[doc], doc_len, doc_len - from_end * size)
             start = torch.where(one[doc], 0, (end - size).clamp(min=0))
-        work = mask.pairs(start, end, 0, doc_len)
-        order = torch.argsort(work.double() / (end - start).clamp(min=1).double(), descending=True, stable=True)
-        if head_back:  # heads last
-            order = order[torch.argsort((~one[doc] & (from_end > 0))[order].to(torch.int8), stable=True)]
-        self.doc, self.start, self.doc_len, self.whole_ok = doc[order], start[order], doc_len[order], whole[doc][order]
-        self.lengths = (end - start)[order]
-        self.work = work[order]
-        self.cu = torch.cat([lengths.new_zeros(1), torch.cumsum(self.lengths, 0)])
-        self.cu_work = torch.cat([self.work.new_zeros(1), torch.cumsum(self.work, 0)]).double()
-        self.total = int(self.cu[-1])
-        self.total_work = float(self.cu_work[-1])
+        heads = (~one[doc] & (from_end > 0)) if head_back else None  # heads last
+        return cls(doc, start, end, lengths, whole, mask, last=heads)
+
+    def _bounds(self, g: torch.Tensor | None) -> tuple:
+        """:meth:`group_bounds` of ``g``; None: the whole sequence as one group (scalars)."""
+        return (0, self.total, 0.0, self.total_work) if g is None else self.group_bounds(g)
+
+    def group_bounds(self, g: torch.Tensor | None) -> tuple:
+        """(token base, tokens, work base, work end) of groups ``g``; None: of every group."""
+        lo, hi = (slice(None, -1), slice(1, None)) if g is None else (g, g + 1)
+        return self.group_cu[lo], self.group_cu[hi] - self.group_cu[lo], self.group_cu_work[lo], self.group_cu_work[hi]
 
     def locate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence document holding position ``x`` (the last one for ``x = T``) and the offset."""
@@ -289,47 +451,57 @@ class Sequence:
         end = self.start[i] + self.lengths[i]
         return self.cu_work[i] + self.mask.pairs(end - o, end, 0, self.doc_len[i]).double()
 
-    def held(self, x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Work of ranks 0..r when their front runs end at ``x`` (and hold ``k`` tokens in all)."""
-        front, back = self.prefix_work(torch.cat([x, x + self.total - k])).split(x.numel())
-        return front + self.total_work - back
+    def held(self, x: torch.Tensor, k: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor:
+        """Work of ranks 0..r (of group ``g``) when their front runs end at ``x`` (and hold ``k``
+        tokens in all)."""
+        base, tokens, work0, work1 = self._bounds(g)
+        front, back = self.prefix_work(torch.cat([base + x, base + x + tokens - k])).split(x.numel())
+        return front - work0 + work1 - back
 
-    def solve(self, k: torch.Tensor, goal: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    def solve(self, k: torch.Tensor, goal: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+              g: torch.Tensor | None = None, rising: torch.Tensor | bool = True) -> torch.Tensor:
         """Front cut ``x`` in ``[lo, hi]`` whose held work is closest to ``goal`` (bisection; the
-        held work grows with ``x`` as long as the front is denser than the back)."""
+        held work grows with ``x`` as long as the front is denser than the back; where it falls
+        instead, pass ``rising`` False)."""
         lo0 = lo
         while bool((lo < hi).any()):
             mid = (lo + hi) // 2
-            below = self.held(mid, k) < goal
+            below = (self.held(mid, k, g) < goal) == rising
             lo = torch.where(below, mid + 1, lo)
             hi = torch.where(below, hi, mid)
         prev = torch.maximum(lo - 1, lo0)
-        closer = (self.held(prev, k) - goal).abs() < (self.held(lo, k) - goal).abs()
+        closer = (self.held(prev, k, g) - goal).abs() < (self.held(lo, k, g) - goal).abs()
         return torch.where(closer, prev, lo)
 
-    def snap(self, x: torch.Tensor, k: torch.Tensor, goal: torch.Tensor, slack: float) -> torch.Tensor:
+    def snap(self, x: torch.Tensor, k: torch.Tensor, goal: torch.Tensor, slack: float,
+             g: torch.Tensor | None = None) -> torch.Tensor:
         """Move each pair of cuts (``x`` and ``y = x + T - k`` together) so that they cut as few
         documents as possible, least KV next, while the held work stays within ``slack``."""
-        y = x + self.total - k
+        base, tokens = self._bounds(g)[:2]
+        first, last = (0, self.cu.numel() - 1) if g is None else (self.group_chunks[g], self.group_chunks[g + 1])
+        y = x + tokens - k
         candidates = [x]
-        last = self.cu.numel() - 1
         for cut in (x, y):
-            i = self.locate(cut)[0]
+            i = self.locate(base + cut)[0]
             for j in range(-SNAP_REACH, SNAP_REACH + 2):  # this cut onto a nearby chunk boundary
-                candidates.append(x + self.cu[(i + j).clamp(0, last)] - cut)
+                near = torch.minimum(torch.maximum(i + j, torch.as_tensor(first)), torch.as_tensor(last))
+                candidates.append(x + self.cu[near] - base - cut)
         cands = torch.stack(candidates, 1).clamp(min=0).minimum(k[:, None])
-        err = (self.held(cands.flatten(), k.repeat_interleave(cands.shape[1])).view_as(cands.double())
+        width = cands.shape[1]
+        per_row = None if g is None else g.repeat_interleave(width)
+        err = (self.held(cands.flatten(), k.repeat_interleave(width), per_row).view_as(cands.double())
                - goal[:, None]).abs()
-        cost = self._cut_cost(cands) + self._cut_cost(cands + (self.total - k)[:, None])
+        front = cands + (base if g is None else base[:, None])
+        cost = self.cut_cost(front) + self.cut_cost(front + (tokens - k)[:, None])
         ok = err <= slack
         ok[:, 0] = True  # the bisection's own cut is always allowed
         score = torch.where(ok, cost, torch.finfo(torch.float64).max)
         best = torch.argmin(score, 1)
         return cands.gather(1, best[:, None]).squeeze(1)
 
-    def _cut_cost(self, cut: torch.Tensor) -> torch.Tensor:
-        """A cut inside a document: a big penalty when the document could stay whole (fits one
-        rank), plus the KV its receiver needs (the document's prefix before the cut)."""
+    def cut_cost(self, cut: torch.Tensor) -> torch.Tensor:
+        """A cut at sequence position ``cut`` inside a document: a big penalty when the document
+        could stay whole (fits one rank), plus the KV its receiver needs (its prefix before the cut)."""
         i, o = self.locate(cut)
         inside = (o > 0) & (o < self.lengths[i])
         kv = (self.start[i] + self.lengths[i] - o).double()  # reversed chunks: the later part starts there
