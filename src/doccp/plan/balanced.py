@@ -84,7 +84,8 @@ MONOTONE_ROUNDS = 4
 #: chunks sort the sequence closer to token cost (balance when big documents dominate).
 CHUNKS_PER_RANK = (0, 4, 16, 64, 256, 1024)
 #: The recursive bisection planner (one more candidate, N > 2) is tried where the best plan so far
-#: receives more than this share of an all-gather (it costs O(log N) solves).
+#: receives more than the contiguous split's KV plus this share of an all-gather (it costs O(log N)
+#: solves).
 BISECT_ABOVE = 0.05
 #: Relative work error the bisection planner's group splits may take in all (a rank's work is
 #: its group's share; what a split misses is spread over the group's ranks).
@@ -121,6 +122,7 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     rank_tokens = -(-layout.num_tokens // n)
     whole = (lengths <= rank_tokens) & (doc_work.double() <= float(doc_work.sum()) / n)
     best, best_score, attempts = None, None, 0
+    contiguous = cut_stream(layout.cu_seqlens, even_sizes(layout.num_tokens, n))
     # Round 0 (no pins) of the probes, then pinning rounds, until _done. Round 0 of a chunking is
     # solved once (``unpinned``); a chunking that cannot balance is not pinned.
     chunkings = [Chunking(c) for c in CHUNKS_PER_RANK]
@@ -165,8 +167,10 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
                 pinned[part.doc] = 0
         if not probe and best_score is not None and _done(best_score, attempts):
             break
-    # Recursive bisection where the KV is not small (documents that fill groups of ranks).
-    if n > 2 and (best_score[0] or best_score[1] > BISECT_ABOVE * (layout.num_tokens - layout.num_tokens // n)):
+    # Recursive bisection where the KV is well above the contiguous split's (documents that fill
+    # groups of ranks).
+    if n > 2 and (best_score[0] or best_score[1] > _score(contiguous, layout, n, mask, whole)[0][1]
+                  + BISECT_ABOVE * (layout.num_tokens - layout.num_tokens // n)):
         pieces = _bisection_plan(layout, n, mask, whole)
         score = _score(pieces, layout, n, mask, whole)[0]
         if _better(score, best_score):
