@@ -83,15 +83,19 @@ MONOTONE_ROUNDS = 4
 #: tried in turn: 0 keeps it one chunk (its parts land on adjacent ranks: least KV); finer
 #: chunks sort the sequence closer to token cost (balance when big documents dominate).
 CHUNKS_PER_RANK = (0, 4, 16, 64, 256, 1024)
-#: The recursive bisection planner (one more candidate, N > 2) is tried where the best plan so far
-#: receives more than the contiguous split's KV plus this share of an all-gather (it costs O(log N)
-#: solves).
-BISECT_ABOVE = 0.05
+#: The costlier candidates (head-at-back layouts, the bisection) are tried only where the best plan
+#: so far receives more than the contiguous split's max KV plus KV_GOAL of an all-gather, or more
+#: than KV_HEAVY of one (each costs one or O(log N) more solves).
+KV_GOAL = 0.05
+KV_HEAVY = 0.25
 #: Relative work error the bisection planner's group splits may take in all (a rank's work is
 #: its group's share; what a split misses is spread over the group's ranks).
 BISECT_BUDGET = 0.006
 #: Most group splits (first ranks of the group) the bisection planner tries per group.
 SPLIT_TRIES = 16
+#: Head shares of documents that cannot stay whole the bisection planner tries in turn (see
+#: HEAD_BACK; 0: each such document one chunk).
+BISECT_HEAD_BACK = (0.0, 0.25)
 #: Brackets per candidate split in which the bisection planner looks for a cut pair.
 BRACKETS = 8
 #: Chunks per group whose edges the bisection planner tries as cuts (the biggest ones).
@@ -100,9 +104,6 @@ BIG_CHUNKS = 4
 #: sequence (tried in turn): the ranks holding its tail then hold its head too and receive only
 #: the middle (one document of 57% of the tokens over 2 ranks: 47% of an all-gather, not 79%).
 HEAD_BACK = (0.2, 0.4)
-#: ... tried only where the best plan of the first probes receives more than this share of an
-#: all-gather (a cut document's long prefix dominates: the case they fix; each try costs a solve).
-HEAD_BACK_ABOVE = 0.25
 
 
 class Chunking(NamedTuple):
@@ -122,16 +123,19 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     rank_tokens = -(-layout.num_tokens // n)
     whole = (lengths <= rank_tokens) & (doc_work.double() <= float(doc_work.sum()) / n)
     best, best_score, attempts = None, None, 0
-    contiguous = cut_stream(layout.cu_seqlens, even_sizes(layout.num_tokens, n))
+    # Where the costlier candidates are tried: above the (unbalanced) contiguous split's max KV plus a
+    # little, or above a quarter of an all-gather.
+    allgather = layout.num_tokens - layout.num_tokens // n
+    contiguous = _score(cut_stream(layout.cu_seqlens, even_sizes(layout.num_tokens, n)), layout, n, mask, whole)
+    kv_goal = min(contiguous[0][1] + KV_GOAL * allgather, KV_HEAVY * allgather)
     # Round 0 (no pins) of the probes, then pinning rounds, until _done. Round 0 of a chunking is
     # solved once (``unpinned``); a chunking that cannot balance is not pinned.
     chunkings = [Chunking(c) for c in CHUNKS_PER_RANK]
 
     def variants():
         yield from ((c, PIN_TO[0], True) for c in chunkings[:2])
-        # Head-at-back layouts where a document cannot stay whole and the KV is still heavy.
-        allgather = layout.num_tokens - layout.num_tokens // n
-        heavy = best_score is None or best_score[1] > HEAD_BACK_ABOVE * allgather
+        # Head-at-back layouts where a document cannot stay whole and the KV is above the goal.
+        heavy = best_score is None or best_score[1] > kv_goal
         heads = [Chunking(0, h) for h in HEAD_BACK] if heavy and not bool(whole.all()) else []
         yield from ((c, PIN_TO[0], True) for c in heads)
         yield from ((c, pin_to, False) for pin_to in PIN_TO for c in [*chunkings, *heads])
@@ -167,14 +171,14 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
                 pinned[part.doc] = 0
         if not probe and best_score is not None and _done(best_score, attempts):
             break
-    # Recursive bisection where the KV is well above the contiguous split's (documents that fill
-    # groups of ranks).
-    if n > 2 and (best_score[0] or best_score[1] > _score(contiguous, layout, n, mask, whole)[0][1]
-                  + BISECT_ABOVE * (layout.num_tokens - layout.num_tokens // n)):
-        pieces = _bisection_plan(layout, n, mask, whole)
+    # Recursive bisection where the KV is still above the goal (documents that fill groups of ranks).
+    for head_back in BISECT_HEAD_BACK:
+        if n <= 2 or not (best_score[0] or best_score[1] > kv_goal):
+            break
+        pieces = _bisection_plan(layout, n, mask, whole, head_back)
         score = _score(pieces, layout, n, mask, whole)[0]
         if _better(score, best_score):
-            best = pieces
+            best, best_score = pieces, score
     return best
 
 
@@ -239,7 +243,7 @@ def _sequence_plan(layout: DocLayout, n: int, mask: Mask, chunking: Chunking, wh
     return Pieces.cat([seq.pieces(cut_stream(seq.cu, sizes), ranks), pins])
 
 
-def _bisection_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor) -> Pieces:
+def _bisection_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, head_back: float = 0.0) -> Pieces:
     """Recursive bisection: a group of ``k`` ranks gives its first ``h`` ranks a front run and a
     back run of *its own* sequence (its chunks sorted by density) with their share of the
     group's tokens and work, the rest the middle; every group of a level is solved at once.
@@ -254,17 +258,24 @@ def _bisection_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor) 
         rank part of both: each receives most of both prefixes)
         level 1: ranks 0-1 <- A whole (+ a little of B's cheap head), ranks 2-3 <- the rest of B
         level 2: within each group, front + back: A's tail and head on one rank, its middle on the other
+
+    With ``head_back``, a document that cannot stay whole starts as two chunks, its tail and its
+    first ``head_back`` share (the head), and heads sort after every other chunk of their group
+    (as in :class:`Chunking`): the ranks that take the tail from the front take the head too.
     """
     lengths = layout.lengths
     rank_cu = torch.cat([lengths.new_zeros(1), torch.cumsum(even_sizes(layout.num_tokens, n), 0)])
     first, count = lengths.new_zeros(1), lengths.new_full((1,), n)  # the rank groups
     budget = torch.full((1,), BISECT_BUDGET, dtype=torch.float64)  # relative work error a group may still take
     doc = torch.nonzero(lengths > 0).flatten()
-    chunks = Pieces(torch.zeros_like(doc), doc, torch.zeros_like(doc), lengths[doc])  # rank: the chunk's group
+    # Chunks (rank: the chunk's group): every document, or its tail and then its head (a last chunk).
+    head_end = torch.where(whole, 0, (lengths * head_back).long())
+    heads = doc[head_end[doc] > 0]
+    chunks = Pieces.cat([Pieces.of(0, doc, head_end[doc], lengths[doc]), Pieces.of(0, heads, 0, head_end[heads])])
     slack = SNAP_SLACK * float(mask.pairs(0, lengths, 0, lengths).sum()) / n
     while bool((count > 1).any()):
         seq = Sequence(chunks.doc, chunks.start, chunks.end, lengths, whole, mask, group=chunks.rank,
-                       groups=count.numel())
+                       groups=count.numel(), last=(chunks.end <= head_end[chunks.doc]) if head_back else None)
         split = count > 1
         g, h, k, x, used = _group_splits(seq, rank_cu, first, count, budget, slack)
         # Cut every group's sequence into front | middle | back (one run for a group of one rank).
