@@ -215,6 +215,8 @@ class BandMask(Mask):
         nq = (qe - qs).clamp(min=0)
         nk = (ke - ks).clamp(min=0)
         upper = _pairs_below(nq, nk, self.right_bound - (ks - qs))
+        if self.left is None:  # no pair lies UNBOUNDED below the diagonal (ranges of one layout)
+            return upper
         lower = _pairs_below(nq, nk, -self.left_bound - 1 - (ks - qs))
         return upper - lower
 

@@ -33,14 +33,17 @@ could have stayed whole is then *pinned* whole to one rank and the rest solved a
 
 One sequence for all ranks pairs the documents at its front with those at its back on the same
 ranks; where big documents fill groups of ranks, that puts one's tail and another's head on one
-rank, which then receives most of both prefixes. So, where the KV is not small, a recursive
-*bisection* is tried too (:func:`_bisection_plan`): the ranks split into two groups, each with
-its own sequence, again and again; the split (how many ranks, where the cuts fall) is chosen to
-cut the least KV, so a big document goes to a group of ranks of its own.
+rank, which then receives most of both prefixes. So a recursive *bisection* is tried too
+(:func:`_bisection_plan`): the ranks split into two groups, each with its own sequence, again
+and again; the split (how many ranks, where the cuts fall) is chosen to cut the least KV, so a
+big document goes to a group of ranks of its own.
 
-Every candidate plan is scored (unbalanced, max KV received, whole-able documents cut, spread)
-and the best one kept; a handful of candidates, each O(chunks log chunks + N log T) vectorised
-host work (the bisection: O(log N) levels of it), no loop over documents or ranks.
+The costlier candidates (head-at-back layouts, bisections) are tried only while the best plan
+receives more than the (unbalanced) contiguous split's max KV plus :data:`KV_GOAL` of an
+all-gather, or more than :data:`KV_HEAVY` of one. Every candidate plan is scored (unbalanced,
+max KV received, whole-able documents cut, spread) and the best one kept; a handful of
+candidates, each O(chunks log chunks + N log T) vectorised host work (the bisection: O(log N)
+levels of it), no loop over documents or ranks.
 """
 
 from __future__ import annotations
@@ -109,10 +112,12 @@ HEAD_BACK = (0.2, 0.4)
 class Chunking(NamedTuple):
     """How the sequence lays out documents too big to stay whole: ``per_rank`` chunks per rank's
     tokens sorted by density (0: one chunk), or, with ``head_back``, the document's tail by
-    density and its first ``head_back`` share last."""
+    density and its first ``head_back`` share last; with ``bisect``, in the sequences of a
+    recursive bisection of the ranks (:func:`_bisection_plan`) instead of one sequence."""
 
     per_rank: int
     head_back: float = 0.0
+    bisect: bool = False
 
 
 def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
@@ -138,6 +143,10 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
         heavy = best_score is None or best_score[1] > kv_goal
         heads = [Chunking(0, h) for h in HEAD_BACK] if heavy and not bool(whole.all()) else []
         yield from ((c, PIN_TO[0], True) for c in heads)
+        # Recursive bisections where the KV is still above the goal (documents that fill groups of ranks).
+        for head_back in BISECT_HEAD_BACK:
+            if n > 2 and (best_score[0] or best_score[1] > kv_goal):
+                yield Chunking(0, head_back, bisect=True), PIN_TO[0], True
         yield from ((c, pin_to, False) for pin_to in PIN_TO for c in [*chunkings, *heads])
 
     unpinned: dict[Chunking, tuple] = {}
@@ -147,8 +156,9 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
             if round_ == 0 and chunks in unpinned:
                 pieces, score, cut = unpinned[chunks]
             else:
-                pieces = _sequence_plan(layout, n, mask, chunks, whole, pinned, doc_work)
-                attempts += not (probe and chunks.head_back)  # head probes come on top of the budget
+                pieces = (_bisection_plan(layout, n, mask, whole, chunks.head_back) if chunks.bisect else
+                          _sequence_plan(layout, n, mask, chunks, whole, pinned, doc_work))
+                attempts += not (probe and (chunks.head_back or chunks.bisect))  # on top of the budget
                 if pieces is None:
                     break
                 score, cut = _score(pieces, layout, n, mask, whole)
@@ -172,13 +182,6 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
         if not probe and best_score is not None and _done(best_score, attempts):
             break
     # Recursive bisection where the KV is still above the goal (documents that fill groups of ranks).
-    for head_back in BISECT_HEAD_BACK:
-        if n <= 2 or not (best_score[0] or best_score[1] > kv_goal):
-            break
-        pieces = _bisection_plan(layout, n, mask, whole, head_back)
-        score = _score(pieces, layout, n, mask, whole)[0]
-        if _better(score, best_score):
-            best, best_score = pieces, score
     return best
 
 
@@ -426,7 +429,7 @@ class Sequence:
     def of_layout(cls, lengths: torch.Tensor, mask: Mask, rank_tokens: int, whole: torch.Tensor,
                   chunking: Chunking) -> Sequence:
         """Every document's chunks as the :class:`Chunking` lays them out (one group)."""
-        chunks_per_rank, head_back = chunking
+        chunks_per_rank, head_back = chunking.per_rank, chunking.head_back
         if head_back:  # tail and head: the split document's chunk k = 0 starts at head_back * L
             one, count = whole, torch.where(whole, (lengths > 0).long(), 2)
         else:
