@@ -318,9 +318,11 @@ def _group_splits(seq: Sequence, rank_cu: torch.Tensor, first: torch.Tensor, cou
     # The held work need not be monotone in x: a root in every bracket where it crosses the goal.
     grid = k[:, None] * torch.arange(BRACKETS + 1) // BRACKETS
     k_, goal_, g_ = each(grid)
-    above = (seq.held(grid.flatten(), k_, g_) >= goal_).view(grid.shape)
+    miss = (seq.held(grid.flatten(), k_, g_) - goal_).view(grid.shape)
+    above = miss >= 0
     crosses = above[:, 1:] != above[:, :-1]
-    crosses[:, 0] |= ~crosses.any(1)  # no crossing: the closest point of the first bracket
+    none = torch.nonzero(~crosses.any(1)).flatten()  # no crossing: the bracket of the closest grid point
+    crosses[none, miss[none].abs().argmin(1).clamp(max=BRACKETS - 1)] = True
     k_, goal_, g_ = each(crosses)
     roots = seq.solve(k_, goal_, grid[:, :-1].flatten(), grid[:, 1:].flatten(), g_, (~above[:, :-1]).flatten())
     roots = seq.snap(roots, k_, goal_, slack, g_).view(crosses.shape)
