@@ -132,6 +132,29 @@ def test_pieces_partition_the_stream(case):
     assert all(again.pieces(r) == p.pieces(r) for r in range(n))  # deterministic
 
 
+@settings(max_examples=40, deadline=None)
+@given(cases(), st.integers(1, 3), st.randoms(use_true_random=False))
+def test_rank_offsets_lay_out_each_rank_in_stream_order(case, k, rng):
+    """Plan.rank_offsets against a loop: each rank's entries back to back, pieces in stream order."""
+    _, p = make(case)
+    s = p.stream_pieces
+    sizes = torch.tensor([[rng.randint(0, 5) for _ in range(k)] for _ in range(len(s))], dtype=torch.int64)
+    sizes = sizes.reshape(len(s), k)
+    filled = [0] * p.world_size
+    expected = torch.zeros_like(sizes)
+    for piece, rank in enumerate(s.rank.tolist()):
+        for e in range(k):
+            expected[piece, e] = filled[rank]
+            filled[rank] += int(sizes[piece, e])
+    assert torch.equal(p.rank_offsets(sizes), expected)
+    if k == 1:  # a flat column of one entry per piece
+        assert torch.equal(p.rank_offsets(sizes[:, 0]), expected[:, 0])
+    local = p.rank_offsets(s.length)  # k = 1 with the pieces' lengths: the local rows
+    for r in range(p.world_size):
+        mine = s.rank == r
+        assert torch.equal(local[mine], torch.cumsum(s.length[mine], 0) - s.length[mine])
+
+
 @SETTINGS
 @given(cases())
 def test_exchange_is_the_minimal_kv_exchange(case):

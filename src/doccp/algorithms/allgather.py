@@ -24,7 +24,7 @@ from doccp.kernels.runs import Runs
 from doccp.kernels.slices import Slices
 from doccp.plan import Plan
 from doccp.plan.exchange import overlaps
-from doccp.ranges import expand, offsets_within
+from doccp.ranges import expand, offsets_within, take
 
 
 @dataclass(frozen=True)
@@ -46,22 +46,22 @@ class AllGather(Algorithm):
         # Receive: my visible keys cut at the stream's pieces; the parts others hold arrive from
         # each peer in stream order, after my local rows.
         i, j, g0, g1 = overlaps(geo.seen_g0, geo.seen_g1, geo.g0, geo.g1)
-        src, length = geo.stream.rank[j], g1 - g0
-        remote = src != me
-        recv_sizes = torch.zeros(n, dtype=torch.int64).index_add_(0, src[remote], length[remote])
+        src, length = take(geo.stream.rank, j), g1 - g0
+        remote, own = torch.nonzero(src != me).squeeze(1), torch.nonzero(src == me).squeeze(1)
+        src, remote_length = take(src, remote), take(length, remote)
+        recv_sizes = torch.zeros(n, dtype=torch.int64).index_add_(0, src, remote_length)
         peer_base = int(geo.local.length.sum()) + torch.cumsum(recv_sizes, 0) - recv_sizes
-        row = torch.empty_like(g0)
-        row[remote] = peer_base[src[remote]] + offsets_within(src[remote], length[remote])
-        own = ~remote
-        piece = torch.searchsorted(geo.local_g0, g0[own], right=True) - 1
-        row[own] = geo.local_row[piece] + (g0[own] - geo.local_g0[piece])
+        row = torch.empty_like(g0).scatter_(0, remote, take(peer_base, src) + offsets_within(src, remote_length))
+        own_g0 = take(g0, own)
+        piece = torch.searchsorted(geo.local_g0, own_g0, right=True) - 1
+        row.scatter_(0, own, take(geo.local_row, piece) + (own_g0 - take(geo.local_g0, piece)))
         arrange = expand(row, length)
         # Send: every other rank's visible keys cut at my pieces, ordered by (peer, doc, start).
         others = plan.seen.select(plan.seen.rank != me)
-        base = plan.layout.cu_seqlens[others.doc]
+        base = take(plan.layout.cu_seqlens, others.doc)
         i, j, g0, g1 = overlaps(base + others.start, base + others.end, geo.local_g0, geo.local_g1)
-        dst, length = others.rank[i], g1 - g0
-        rows = expand(geo.local_row[j] + (g0 - geo.local_g0[j]), length)
+        dst, length = take(others.rank, i), g1 - g0
+        rows = expand(take(geo.local_row, j) + (g0 - take(geo.local_g0, j)), length)
         send_sizes = torch.zeros(n, dtype=torch.int64).index_add_(0, dst, length)
         send_rows = list(torch.split(rows, send_sizes.tolist()))
         arranged = Runs.laid_out(geo.seen.doc, geo.seen.start, geo.seen.length)

@@ -28,11 +28,11 @@ from doccp.algorithms.registry import Algorithm, Call, Shapes, register
 from doccp.algorithms.schedule import Geometry
 from doccp.algorithms.work import accumulators, attend_into, take_rows
 from doccp.kernels.runs import Runs, Work, clip_to_others, keys_seen, work
-from doccp.kernels.slices import Slices
+from doccp.kernels.slices import FIELDS, Slices, segment_pairs
 from doccp.plan import Plan
 from doccp.plan.exchange import overlaps
 from doccp.plan.pieces import Pieces
-from doccp.ranges import offsets_within
+from doccp.ranges import index_of, take
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def ring_blocks(plan: Plan) -> tuple[Pieces, torch.Tensor, torch.Tensor]:
     if plan in _blocks_of:
         return _blocks_of[plan]
     p, mask = plan.stream_pieces, plan.mask
-    length = plan.layout.lengths[p.doc]
+    length = take(plan.layout.lengths, p.doc)
     before = mask.visible_keys(p.start - 1, p.start, length)[1]
     after = mask.visible_keys(p.end, p.end + 1, length)[0]
     head_end = torch.where(p.start > 0, torch.minimum(p.end, torch.maximum(before, p.start)), p.start)
@@ -67,10 +67,11 @@ def ring_blocks(plan: Plan) -> tuple[Pieces, torch.Tensor, torch.Tensor]:
     joined = head_end >= tail_start
     lo = torch.stack([p.start, torch.where(joined, p.end, tail_start)], 1)
     hi = torch.stack([torch.where(joined, p.end, head_end), p.end], 1)
-    rank, doc = (x[:, None].expand(-1, 2).reshape(-1) for x in (p.rank, p.doc))
-    blocks = Pieces(rank, doc, lo.reshape(-1), hi.reshape(-1))
-    blocks = blocks.select(blocks.end > blocks.start)
-    row = offsets_within(blocks.rank, blocks.length)
+    row = plan.rank_offsets(hi - lo).reshape(-1)
+    rank, doc = (torch.stack([x, x], 1).reshape(-1) for x in (p.rank, p.doc))
+    keep = index_of(hi.reshape(-1) > lo.reshape(-1))
+    blocks = Pieces(rank, doc, lo.reshape(-1), hi.reshape(-1)).select(keep)
+    row = take(row, keep)
     sizes = torch.zeros(plan.world_size, dtype=torch.int64).index_add_(0, blocks.rank, blocks.length)
     _blocks_of[plan] = blocks, row, sizes
     return blocks, row, sizes
@@ -108,32 +109,28 @@ class RingKV(Algorithm):
         n, geo = plan.world_size, Geometry(plan, me)
         blocks, block_row, sizes = ring_blocks(plan)
         cu = plan.layout.cu_seqlens
-        b0, b1 = cu[blocks.doc] + blocks.start, cu[blocks.doc] + blocks.end
-        mine = blocks.rank == me
-        own_block_rows = geo.local_rows(b0[mine], blocks.length[mine])
-        # Keys of every step in one table: the blocks of the other ranks that my queries can see,
-        # at rows (block base of their rank + row in the block), then my own rows after all blocks.
-        base = torch.cumsum(sizes, 0) - sizes
-        total = int(sizes.sum())
+        block_base = take(cu, blocks.doc)
+        b0, b1 = block_base + blocks.start, block_base + blocks.end
+        mine = torch.nonzero(blocks.rank == me).squeeze(1)
+        own_block_rows = geo.local_rows(take(b0, mine), take(blocks.length, mine))
+        # Step 0: my queries against my own rows. Steps 1..N-1 in one table: the parts of the other
+        # ranks' blocks my queries can see (in stream order, so by document), at their rows within
+        # their block; each slice then goes to the step its block's owner visits.
+        home = geo.runs.slices_against(geo.runs, plan.mask)
         i, j, g0, g1 = overlaps(geo.seen_g0, geo.seen_g1, b0, b1)
-        keep = blocks.rank[j] != me
-        i, j, g0, g1 = i[keep], j[keep], g0[keep], g1[keep]
-        key_row = torch.cat([base[blocks.rank[j]] + block_row[j] + (g0 - b0[j]), total + geo.local_row])
-        keys = Runs.of(0, torch.cat([blocks.doc[j], geo.local.doc]), key_row,
-                       torch.cat([g0 - cu[blocks.doc[j]], geo.local.start]), torch.cat([g1 - g0, geo.local.length]))
-        slices = geo.runs.slices_against(keys, plan.mask)
-        # Back from one table to one list of slices per step.
-        at_home = slices.k_start >= total
-        src = torch.where(at_home, me, torch.searchsorted(base + sizes, slices.k_start, right=True))
-        shift = torch.where(at_home, total, base[src.clamp(max=n - 1)])
-        slices = Slices(slices.q_start, slices.q_end, slices.k_start - shift, slices.k_end - shift,
-                        slices.q_pos0, slices.k_pos0)
-        step = (me - src) % n
+        src = take(blocks.rank, j)
+        keep = index_of(src != me)
+        j, g0, g1, src = (take(x, keep) for x in (j, g0, g1, src))
+        q = geo.runs
+        visiting, key = segment_pairs(q.doc, q.row, q.pos, q.length, take(blocks.doc, j),
+                                      take(block_row, j) + (g0 - take(b0, j)), g0 - take(block_base, j), g1 - g0,
+                                      plan.mask)
+        step = (me - take(src, key)) % n
         order = torch.argsort(step.to(torch.int32), stable=True)
         counts = torch.bincount(step, minlength=n).tolist()
-        columns = [torch.split(getattr(slices, f)[order], counts) for f in
-                   ("q_start", "q_end", "k_start", "k_end", "q_pos0", "k_pos0")]
-        return RingSchedule(own_block_rows, sizes.tolist(), [Slices(*cols) for cols in zip(*columns, strict=True)])
+        columns = [torch.split(take(getattr(visiting, f), order), counts) for f in FIELDS]
+        steps = [Slices(*cols) for cols in zip(*columns, strict=True)]
+        return RingSchedule(own_block_rows, sizes.tolist(), [home, *steps[1:]])
 
     def received_bytes(self, plan: Plan, shapes: Shapes) -> list[int]:
         """Every other rank's block visits each rank once."""

@@ -19,7 +19,7 @@ import torch
 from doccp.kernels.runs import Runs
 from doccp.plan import Plan
 from doccp.plan.exchange import visible_intervals
-from doccp.ranges import expand
+from doccp.ranges import expand, take
 
 
 def local_runs(plan: Plan, rank: int) -> Runs:
@@ -34,16 +34,18 @@ class Geometry:
     def __init__(self, plan: Plan, me: int):
         cu = plan.layout.cu_seqlens
         self.stream = s = plan.stream_pieces
-        self.g0, self.g1 = cu[s.doc] + s.start, cu[s.doc] + s.end
+        base = take(cu, s.doc)
+        self.g0, self.g1 = base + s.start, base + s.end
         self.local = p = plan.rank_pieces(me)
-        self.local_g0, self.local_g1 = cu[p.doc] + p.start, cu[p.doc] + p.end
+        base = take(cu, p.doc)
+        self.local_g0, self.local_g1 = base + p.start, base + p.end
         self.local_row = torch.cumsum(p.length, 0) - p.length
         self.runs = Runs.laid_out(p.doc, p.start, p.length, rank=me)
         self.seen = visible_intervals(p, plan.layout.lengths, plan.mask)  # what my queries see
-        base = cu[self.seen.doc]
+        base = take(cu, self.seen.doc)
         self.seen_g0, self.seen_g1 = base + self.seen.start, base + self.seen.end
 
     def local_rows(self, g0: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         """Local rows of the stream ranges ``[g0, g0 + length)`` (all held by this rank)."""
         piece = torch.searchsorted(self.local_g0, g0, right=True) - 1
-        return expand(self.local_row[piece] + (g0 - self.local_g0[piece]), length)
+        return expand(take(self.local_row, piece) + (g0 - take(self.local_g0, piece)), length)

@@ -67,7 +67,8 @@ def doc_slices(cu_seqlens: torch.Tensor) -> Slices:
     """One slice per non-empty document of a packed stream: the single-device case."""
     start, end = cu_seqlens[:-1], cu_seqlens[1:]
     keep = end > start
-    start, end = start[keep], end[keep]
+    index = index_of(keep)
+    start, end = take(start, index), take(end, index)
     zero = torch.zeros_like(start)
     return Slices(start, end, start, end, zero, zero)
 
@@ -82,16 +83,24 @@ def pair_slices(q_doc: torch.Tensor, q_row: torch.Tensor, q_pos: torch.Tensor, q
     every CP algorithm: all-gather pairs local pieces with gathered key ranges, the ring
     pairs them with the visiting block's intervals.
     """
+    return segment_pairs(q_doc, q_row, q_pos, q_len, k_doc, k_row, k_pos, k_len, mask)[0]
+
+
+def segment_pairs(q_doc: torch.Tensor, q_row: torch.Tensor, q_pos: torch.Tensor, q_len: torch.Tensor,
+                  k_doc: torch.Tensor, k_row: torch.Tensor, k_pos: torch.Tensor, k_len: torch.Tensor,
+                  mask: Mask) -> tuple[Slices, torch.Tensor]:
+    """:func:`pair_slices`, and the key segment (its index in the given order) of every slice: for
+    callers that keep a column per key segment (the ring: which rank's block the keys are in)."""
     if q_doc.numel() == 0 or k_doc.numel() == 0:
-        return Slices.empty()
-    order = torch.argsort(k_doc, stable=True)
-    k_doc, k_row, k_pos, k_len = k_doc[order], k_row[order], k_pos[order], k_len[order]
+        return Slices.empty(), torch.zeros(0, dtype=torch.int64)
+    order = None if bool((k_doc[1:] >= k_doc[:-1]).all()) else torch.argsort(k_doc, stable=True)
+    k_doc, k_row, k_pos, k_len = (take(x, order) for x in (k_doc, k_row, k_pos, k_len))
     first = torch.searchsorted(k_doc, q_doc, right=False)
     count = torch.searchsorted(k_doc, q_doc, right=True) - first
     qi = repeat(torch.arange(q_doc.numel()), count)
     ki = expand(first, count)
-    qp0, qp1 = q_pos[qi], q_pos[qi] + q_len[qi]
-    kp0, kp1 = k_pos[ki], k_pos[ki] + k_len[ki]
+    qp0, kp0 = take(q_pos, qi), take(k_pos, ki)
+    qp1, kp1 = qp0 + take(q_len, qi), kp0 + take(k_len, ki)
     # keys some query can see, and queries that can see some key (hulls: the kernels mask exactly)
     lo, hi = mask.visible_keys(qp0, qp1, kp1)
     lo = torch.maximum(lo, kp0)
@@ -100,9 +109,9 @@ def pair_slices(q_doc: torch.Tensor, q_row: torch.Tensor, q_pos: torch.Tensor, q
     keep = (hi > lo) & (qhi > qlo)
     index = index_of(keep)
     qi, ki, lo, hi, qlo, qhi = (take(t, index) for t in (qi, ki, lo, hi, qlo, qhi))
-    q0 = q_row[qi] + (qlo - q_pos[qi])
-    k0 = k_row[ki] + (lo - k_pos[ki])
-    return Slices(q0, q0 + (qhi - qlo), k0, k0 + (hi - lo), qlo, lo)
+    q0 = take(q_row, qi) + (qlo - take(q_pos, qi))
+    k0 = take(k_row, ki) + (lo - take(k_pos, ki))
+    return Slices(q0, q0 + (qhi - qlo), k0, k0 + (hi - lo), qlo, lo), take(order, ki) if order is not None else ki
 
 
 def trim(slices: Slices, mask: BandMask) -> Slices:

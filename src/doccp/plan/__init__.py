@@ -24,7 +24,7 @@ from doccp.plan.balanced import balanced
 from doccp.plan.exchange import Intervals, kv_exchange, visible_intervals
 from doccp.plan.head_tail import head_tail
 from doccp.plan.pieces import Pieces, cut_stream, even_sizes
-from doccp.ranges import expand, repeat
+from doccp.ranges import expand, repeat, take
 
 __all__ = ["Plan", "PlanStats", "plan", "STRATEGIES", "Pieces", "Intervals"]
 
@@ -69,11 +69,11 @@ def plan(layout: DocLayout, world_size: int, mask: Mask | None = None,
 
 def _check_partition(p: Pieces, layout: DocLayout, strategy: str) -> None:
     """Pieces in stream order must tile the stream exactly (O(pieces); guards the strategies)."""
-    g0 = layout.cu_seqlens[p.doc] + p.start
-    g1 = layout.cu_seqlens[p.doc] + p.end
+    base = take(layout.cu_seqlens, p.doc)
+    g0, g1 = base + p.start, base + p.end
     ok = len(p) == 0 if layout.num_tokens == 0 else (
         int(g0[0]) == 0 and int(g1[-1]) == layout.num_tokens and bool((g0[1:] == g1[:-1]).all())
-        and bool((p.end <= layout.lengths[p.doc]).all()))
+        and bool((p.end <= take(layout.lengths, p.doc)).all()))
     if not ok:
         raise RuntimeError(f"strategy {strategy!r} did not partition the stream (a bug in doccp.plan)")
 
@@ -164,6 +164,24 @@ class Plan:
     def _rank_order(self) -> torch.Tensor:
         return torch.argsort(self.stream_pieces.rank.to(torch.int32), stable=True)
 
+    def rank_offsets(self, sizes: torch.Tensor) -> torch.Tensor:
+        """Where entries sit in per-rank buffers: ``sizes`` holds ``k`` entries per stream piece
+        (shape ``[pieces]`` or ``[pieces, k]``), every rank lays out the entries of its pieces in
+        stream order (a piece's ``k`` in turn); returns each entry's offset in its rank's buffer,
+        shaped like ``sizes``. One gather into the cached rank order and one cumsum, no sort: local
+        rows (``k = 1``) and ring blocks (``k = 2``) alike."""
+        order, rank = self._rank_order, self.stream_pieces.rank
+        k = sizes.shape[1] if sizes.dim() == 2 else 1
+        # entry e of piece p is flat entry k * p + e; in rank order the pieces' entries stay together
+        flat_order = (order[:, None] * k + torch.arange(k)).reshape(-1)
+        in_order = sizes.reshape(-1).index_select(0, flat_order)
+        before = torch.cumsum(in_order, 0) - in_order
+        totals = torch.zeros(self.world_size, dtype=torch.int64).index_add_(
+            0, rank, sizes.reshape(-1, k).sum(1) if k > 1 else sizes.reshape(-1))
+        first = (torch.cumsum(totals, 0) - totals).index_select(0, rank)  # per piece, stream order
+        offsets = torch.empty_like(before).scatter_(0, flat_order, before)
+        return (offsets.view(-1, k) - first[:, None]).reshape(sizes.shape)
+
     @cached_property
     def _rank_bounds(self) -> list[int]:
         counts = torch.bincount(self.stream_pieces.rank, minlength=self.world_size)
@@ -177,7 +195,7 @@ class Plan:
     def indices(self, rank: int) -> torch.Tensor:
         """Global stream index of each local token of ``rank``, in local order (int64)."""
         p = self.rank_pieces(rank)
-        return expand(self.layout.cu_seqlens[p.doc] + p.start, p.length)
+        return expand(take(self.layout.cu_seqlens, p.doc) + p.start, p.length)
 
     def positions(self, rank: int) -> torch.Tensor:
         """Document-relative position of each local token (for RoPE), int64."""
@@ -205,7 +223,7 @@ class Plan:
     def work(self) -> list[int]:
         """Mask pairs each rank's queries attend (the work the strategies balance)."""
         p = self.stream_pieces
-        pairs = self.mask.pairs(p.start, p.end, 0, self.layout.lengths[p.doc])
+        pairs = self.mask.pairs(p.start, p.end, 0, take(self.layout.lengths, p.doc))
         return torch.zeros(self.world_size, dtype=torch.int64).index_add_(0, p.rank, pairs).tolist()
 
     # -- communication -------------------------------------------------------------------
@@ -233,7 +251,7 @@ class Plan:
     def stats(self) -> PlanStats:
         """Per-rank tokens, work (mask pairs), imbalance, pieces, KV to receive, tile work."""
         p, n = self.stream_pieces, self.world_size
-        lengths = self.layout.lengths[p.doc]
+        lengths = take(self.layout.lengths, p.doc)
         work = torch.tensor(self.work, dtype=torch.int64)
         tiles = torch.zeros(n, dtype=torch.int64).index_add_(0, p.rank, _tile_counts(p, lengths, self.mask))
         total = int(work.sum())
@@ -262,8 +280,8 @@ def _tile_counts(p: Pieces, doc_len: torch.Tensor, mask: Mask) -> torch.Tensor:
     n_tiles = (p.length + TILE - 1) // TILE
     piece = repeat(torch.arange(len(p)), n_tiles)
     first = expand(torch.zeros(len(p), dtype=torch.int64), n_tiles)
-    q0 = p.start[piece] + first * TILE
-    q1 = torch.minimum(q0 + TILE, p.end[piece])
-    lo, hi = mask.visible_keys(q0, q1, doc_len[piece])
+    q0 = take(p.start, piece) + first * TILE
+    q1 = torch.minimum(q0 + TILE, take(p.end, piece))
+    lo, hi = mask.visible_keys(q0, q1, take(doc_len, piece))
     count = torch.where(hi > lo, (hi - 1) // TILE - lo // TILE + 1, torch.zeros_like(lo))
     return torch.zeros(len(p), dtype=torch.int64).index_add_(0, piece, count)

@@ -51,7 +51,7 @@ def visible_intervals(pieces: Pieces, lengths: torch.Tensor, mask: Mask) -> Piec
     ``pieces`` must be ordered by (rank, doc, start) (one rank's pieces in stream order
     qualify): a band's visible range grows with the piece, so the union of one (rank, doc)
     group is a merge of neighbours, no sort."""
-    lo, hi = mask.visible_keys(pieces.start, pieces.end, lengths[pieces.doc])
+    lo, hi = mask.visible_keys(pieces.start, pieces.end, take(lengths, pieces.doc))
     return Pieces(pieces.rank, pieces.doc, lo, hi).normalized_union()
 
 
@@ -64,8 +64,8 @@ def overlaps(lo: torch.Tensor, hi: torch.Tensor, table_lo: torch.Tensor, table_h
     total = int(count.sum())
     i = repeat(torch.arange(lo.numel()), count, total)
     j = expand(first, count)
-    start = torch.maximum(lo[i], table_lo[j])
-    end = torch.minimum(hi[i], table_hi[j])
+    start = torch.maximum(take(lo, i), take(table_lo, j))
+    end = torch.minimum(take(hi, i), take(table_hi, j))
     index = index_of(end > start)
     return take(i, index), take(j, index), take(start, index), take(end, index)
 
@@ -75,10 +75,11 @@ def kv_exchange(stream: Pieces, seen: Pieces, layout: DocLayout) -> Intervals:
     intersected with the stream's pieces. ``stream``: the plan's pieces in stream order;
     ``seen``: :func:`visible_intervals` of the plan in rank order."""
     cu = layout.cu_seqlens
-    base = cu[seen.doc]
-    i, j, start, end = overlaps(base + seen.start, base + seen.end, cu[stream.doc] + stream.start,
-                                cu[stream.doc] + stream.end)
-    out = Intervals(seen.rank[i], stream.rank[j], seen.doc[i], start - base[i], end - base[i])
+    base, stream_base = take(cu, seen.doc), take(cu, stream.doc)
+    i, j, start, end = overlaps(base + seen.start, base + seen.end, stream_base + stream.start,
+                                stream_base + stream.end)
+    base = take(base, i)
+    out = Intervals(take(seen.rank, i), take(stream.rank, j), take(seen.doc, i), start - base, end - base)
     out = out.select(out.dst != out.src)
     ranks = int(torch.cat([stream.rank, torch.zeros(1, dtype=torch.int64)]).max()) + 1
     # Rows are ordered by (dst, doc, start); a stable sort by (dst, src) finishes the order.

@@ -26,7 +26,7 @@ import torch
 from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan.pieces import Pieces
-from doccp.ranges import expand, repeat
+from doccp.ranges import expand, repeat, take
 
 
 def head_tail(layout: DocLayout, world_size: int, mask: Mask | None = None) -> Pieces:
@@ -55,7 +55,7 @@ def head_tail(layout: DocLayout, world_size: int, mask: Mask | None = None) -> P
     doc = repeat(torch.arange(lengths.numel()), counts.sum(1))
     head = chunk < n
     rank = torch.where(head, chunk, 2 * n - 1 - chunk)
-    slot = (rank - cursor[doc]) % n
-    size = base[doc] + (torch.where(head, slot, slot + n) < rem[doc]).long()
-    end = torch.cumsum(size, 0) - layout.cu_seqlens[doc]  # the chunks tile the stream
+    slot = (rank - take(cursor, doc)) % n
+    size = take(base, doc) + (torch.where(head, slot, slot + n) < take(rem, doc)).long()
+    end = torch.cumsum(size, 0) - take(layout.cu_seqlens, doc)  # the chunks tile the stream
     return Pieces(rank, doc, end - size, end)

@@ -78,7 +78,7 @@ class Pieces:
         key = group_key * big + p.start
         if not bool((key[1:] >= key[:-1]).all()):  # strategies usually emit pieces in order already
             order = torch.argsort(key)
-            p, group_key = p.select(order), group_key[order]
+            p, group_key = p.select(order), take(group_key, order)
         if overlapping:  # running max of `end` within each group
             reach = torch.cummax(group_key * big + p.end, 0).values - group_key * big
             touches = p.start[1:] <= reach[:-1]
@@ -113,8 +113,9 @@ def cut_stream(cu_seqlens: torch.Tensor, sizes: torch.Tensor) -> Pieces:
     doc = torch.searchsorted(cu_seqlens, seg_start, right=True) - 1
     rank = torch.searchsorted(bounds, seg_start, right=True) - 1
     keep = (seg_end > seg_start) & (doc < cu_seqlens.numel() - 1) & (rank < sizes.numel())
-    doc, rank, seg_start, seg_end = doc[keep], rank[keep], seg_start[keep], seg_end[keep]
-    base = cu_seqlens[doc]
+    index = index_of(keep)
+    doc, rank, seg_start, seg_end = (take(x, index) for x in (doc, rank, seg_start, seg_end))
+    base = take(cu_seqlens, doc)
     return Pieces(rank, doc, seg_start - base, seg_end - base)
 
 
