@@ -24,6 +24,7 @@ from doccp.kernels.runs import Runs
 from doccp.kernels.slices import Slices
 from doccp.plan import Plan
 from doccp.plan.exchange import overlaps
+from doccp.plan.pieces import Pieces
 from doccp.ranges import expand, offsets_within, take
 
 
@@ -57,7 +58,9 @@ class AllGather(Algorithm):
         row.scatter_(0, own, take(geo.local_row, piece) + (own_g0 - take(geo.local_g0, piece)))
         arrange = expand(row, length)
         # Send: every other rank's visible keys cut at my pieces, ordered by (peer, doc, start).
-        others = plan.seen.select(plan.seen.rank != me)
+        seen = plan.seen  # rank order: mine are one run of it
+        mine = torch.searchsorted(seen.rank, torch.tensor([me, me + 1])).tolist()
+        others = Pieces(*(torch.cat([c[:mine[0]], c[mine[1]:]]) for c in (seen.rank, seen.doc, seen.start, seen.end)))
         base = take(plan.layout.cu_seqlens, others.doc)
         i, j, g0, g1 = overlaps(base + others.start, base + others.end, geo.local_g0, geo.local_g1)
         dst, length = take(others.rank, i), g1 - g0

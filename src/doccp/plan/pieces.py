@@ -79,26 +79,19 @@ class Pieces:
         if not bool((key[1:] >= key[:-1]).all()):  # strategies usually emit pieces in order already
             order = torch.argsort(key)
             p, group_key = p.select(order), take(group_key, order)
-        if overlapping:  # running max of `end` within each group
-            reach = torch.cummax(group_key * big + p.end, 0).values - group_key * big
-            touches = p.start[1:] <= reach[:-1]
-        else:
-            touches = p.start[1:] == p.end[:-1]
+        # A run's end: with overlaps, the running max of `end` within its group at the run's last
+        # range (earlier runs of the group end before the run starts); else its last piece's end.
+        reach = torch.cummax(group_key * big + p.end, 0).values - group_key * big if overlapping else p.end
+        touches = p.start[1:] <= reach[:-1] if overlapping else p.start[1:] == p.end[:-1]
         same = (group_key[1:] == group_key[:-1]) & touches
         if not by_rank:
             same &= p.rank[1:] == p.rank[:-1]
         if not bool(same.any()):
             return p
-        first = torch.cat([torch.ones(1, dtype=torch.bool), ~same])
-        if overlapping:
-            group = torch.cumsum(first.long(), 0) - 1
-            end = torch.zeros(int(group[-1]) + 1, dtype=torch.int64).scatter_reduce(
-                0, group, p.end, reduce="amax", include_self=False)
-        else:  # touching runs: the run's end is its last piece's end
-            last = torch.cat([~same, torch.ones(1, dtype=torch.bool)])
-            end = p.end[last]
+        first = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), ~same])).squeeze(1)
+        last = torch.nonzero(torch.cat([~same, torch.ones(1, dtype=torch.bool)])).squeeze(1)
         q = p.select(first)
-        return Pieces(q.rank, q.doc, q.start, end)
+        return Pieces(q.rank, q.doc, q.start, take(reach, last))
 
 
 def cut_stream(cu_seqlens: torch.Tensor, sizes: torch.Tensor) -> Pieces:
