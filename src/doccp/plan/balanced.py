@@ -108,6 +108,9 @@ BISECT_HEAD_BACK = (0.0, 0.25)
 #: (after a big chunk's edge as the front cut) besides the back run, tried in turn (see
 #: :func:`_bisection_plan`; with two ranks, only the windows: the back run is the sequence plan).
 BISECT_WINDOW = (False, True)
+#: Most ranks the window bisections are tried for: they help where a few big documents each fill
+#: much of a rank (small N); beyond, they gained little KV on the seeded mixes for 2-3x the host time.
+WINDOW_RANKS = 8
 #: Brackets per candidate split in which the bisection planner looks for a cut pair.
 BRACKETS = 8
 #: Chunks per group whose edges the bisection planner tries as cuts (the biggest ones).
@@ -156,7 +159,8 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
         yield from ((c, PIN_TO[0], True) for c in heads)
         # Recursive bisections where the KV is still above the goal (documents that fill groups of ranks).
         for head_back, window in itertools.product(BISECT_HEAD_BACK, BISECT_WINDOW):
-            if (n > 2 or window) and (best_score[0] or best_score[1] > kv_goal):
+            tried = n <= WINDOW_RANKS if window else n > 2  # two ranks, no window: the sequence plan
+            if tried and (best_score[0] or best_score[1] > kv_goal):
                 yield Chunking(0, head_back, bisect=True, window=window), PIN_TO[0], True
         yield from ((c, pin_to, False) for pin_to in PIN_TO for c in [*chunkings, *heads])
 
