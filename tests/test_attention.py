@@ -202,8 +202,8 @@ def _from_bisection(lengths: list[int], n: int, mask: Mask) -> bool:
     work = mask.pairs(0, layout.lengths, 0, layout.lengths)
     whole = (layout.lengths <= -(-layout.num_tokens // n)) & (work.double() <= float(work.sum()) / n)
     theirs = doccp.plan(layout, n, mask).stream_pieces
-    for head_back in balanced.BISECT_HEAD_BACK:
-        ours = balanced._bisection_plan(layout, n, mask, whole, head_back).stream_normalized()
+    for head_back, window in itertools.product(balanced.BISECT_HEAD_BACK, balanced.BISECT_WINDOW):
+        ours = balanced._bisection_plan(layout, n, mask, whole, head_back, window).stream_normalized()
         if len(ours) == len(theirs) and all(bool((getattr(ours, f) == getattr(theirs, f)).all())
                                             for f in ("rank", "doc", "start", "end")):
             return True

@@ -36,7 +36,11 @@ ranks; where big documents fill groups of ranks, that puts one's tail and anothe
 rank, which then receives most of both prefixes. So a recursive *bisection* is tried too
 (:func:`_bisection_plan`): the ranks split into two groups, each with its own sequence, again
 and again; the split (how many ranks, where the cuts fall) is chosen to cut the least KV, so a
-big document goes to a group of ranks of its own.
+big document goes to a group of ranks of its own. Front run + back run pairs the densest chunks
+with the lightest; where a big document and the lightest ones make too little work (and the
+next document's tail must fill in: a rank receives nearly all of its prefix), the bisection
+also tries a *window* of the sequence in place of the back run, after the big document: its
+position sets its work, so no big document is cut (with two ranks, that is the bisection).
 
 The costlier candidates (head-at-back layouts, bisections) are tried only while the best plan
 receives more than the (unbalanced) contiguous split's max KV plus :data:`KV_GOAL` of an
@@ -48,6 +52,7 @@ levels of it), no loop over documents or ranks.
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -99,6 +104,13 @@ SPLIT_TRIES = 16
 #: Head shares of documents that cannot stay whole the bisection planner tries in turn (see
 #: HEAD_BACK; 0: each such document one chunk).
 BISECT_HEAD_BACK = (0.0, 0.25)
+#: Whether the bisection planner's first ranks of a group take a window of the group's sequence
+#: (after a big chunk's edge as the front cut) besides the back run, tried in turn (see
+#: :func:`_bisection_plan`; with two ranks, only the windows: the back run is the sequence plan).
+BISECT_WINDOW = (False, True)
+#: Most ranks the window bisections are tried for: they help where a few big documents each fill
+#: much of a rank (small N); beyond, they gained little KV on the seeded mixes for 2-3x the host time.
+WINDOW_RANKS = 8
 #: Brackets per candidate split in which the bisection planner looks for a cut pair.
 BRACKETS = 8
 #: Chunks per group whose edges the bisection planner tries as cuts (the biggest ones).
@@ -113,11 +125,13 @@ class Chunking(NamedTuple):
     """How the sequence lays out documents too big to stay whole: ``per_rank`` chunks per rank's
     tokens sorted by density (0: one chunk), or, with ``head_back``, the document's tail by
     density and its first ``head_back`` share last; with ``bisect``, in the sequences of a
-    recursive bisection of the ranks (:func:`_bisection_plan`) instead of one sequence."""
+    recursive bisection of the ranks (:func:`_bisection_plan`) instead of one sequence, there
+    with ``window``, a window of the sequence in place of the back run where it cuts less."""
 
     per_rank: int
     head_back: float = 0.0
     bisect: bool = False
+    window: bool = False
 
 
 def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
@@ -144,9 +158,10 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
         heads = [Chunking(0, h) for h in HEAD_BACK] if heavy and not bool(whole.all()) else []
         yield from ((c, PIN_TO[0], True) for c in heads)
         # Recursive bisections where the KV is still above the goal (documents that fill groups of ranks).
-        for head_back in BISECT_HEAD_BACK:
-            if n > 2 and (best_score[0] or best_score[1] > kv_goal):
-                yield Chunking(0, head_back, bisect=True), PIN_TO[0], True
+        for head_back, window in itertools.product(BISECT_HEAD_BACK, BISECT_WINDOW):
+            tried = n <= WINDOW_RANKS if window else n > 2  # two ranks, no window: the sequence plan
+            if tried and (best_score[0] or best_score[1] > kv_goal):
+                yield Chunking(0, head_back, bisect=True, window=window), PIN_TO[0], True
         yield from ((c, pin_to, False) for pin_to in PIN_TO for c in [*chunkings, *heads])
 
     unpinned: dict[Chunking, tuple] = {}
@@ -156,7 +171,7 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
             if round_ == 0 and chunks in unpinned:
                 pieces, score, cut = unpinned[chunks]
             else:
-                pieces = (_bisection_plan(layout, n, mask, whole, chunks.head_back) if chunks.bisect else
+                pieces = (_bisection_plan(layout, n, mask, whole, chunks.head_back, chunks.window) if chunks.bisect else
                           _sequence_plan(layout, n, mask, chunks, whole, pinned, doc_work))
                 attempts += not (probe and (chunks.head_back or chunks.bisect))  # on top of the budget
                 if pieces is None:
@@ -246,7 +261,8 @@ def _sequence_plan(layout: DocLayout, n: int, mask: Mask, chunking: Chunking, wh
     return Pieces.cat([seq.pieces(cut_stream(seq.cu, sizes), ranks), pins])
 
 
-def _bisection_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, head_back: float = 0.0) -> Pieces:
+def _bisection_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, head_back: float = 0.0,
+                    window: bool = False) -> Pieces:
     """Recursive bisection: a group of ``k`` ranks gives its first ``h`` ranks a front run and a
     back run of *its own* sequence (its chunks sorted by density) with their share of the
     group's tokens and work, the rest the middle; every group of a level is solved at once.
@@ -265,6 +281,18 @@ def _bisection_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, 
     With ``head_back``, a document that cannot stay whole starts as two chunks, its tail and its
     first ``head_back`` share (the head), and heads sort after every other chunk of their group
     (as in :class:`Chunking`): the ranks that take the tail from the front take the head too.
+
+    With ``window``, the first ``h`` ranks may also take a front run ending at a big chunk's edge
+    and a *window* ``[u, u + len)`` of the rest of the sequence instead of its back run, ``u``
+    solved for the work (the window's work falls as it slides to the light end), the others
+    the gap before it and the rest after it. Front + back pairs the big chunks with the
+    lightest; where those weigh too little, the front must reach into the next big document
+    (its tail: the rank receives nearly all of its prefix), while the window takes denser
+    light documents instead and cuts only two of them::
+
+        pretrain mix, N = 4: A (0.88 of a rank's work) + the lightest documents miss 4% of the
+        work; front + back took the last 314 tokens of B (0.78) too: 0.117 of an all-gather
+        received. A + a window of mid-density documents: 0.023 (contiguous, unbalanced: 0.016)
     """
     lengths = layout.lengths
     rank_cu = torch.cat([lengths.new_zeros(1), torch.cumsum(even_sizes(layout.num_tokens, n), 0)])
@@ -280,15 +308,16 @@ def _bisection_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, 
         seq = Sequence(chunks.doc, chunks.start, chunks.end, lengths, whole, mask, group=chunks.rank,
                        groups=count.numel(), last=(chunks.end <= head_end[chunks.doc]) if head_back else None)
         split = count > 1
-        g, h, k, x, used = _group_splits(seq, rank_cu, first, count, budget, slack)
-        # Cut every group's sequence into front | middle | back (one run for a group of one rank).
-        base, tokens = seq.group_bounds(None)[:2]
-        front, middle = tokens.clone(), torch.zeros_like(tokens)
-        front[g], middle[g] = x, tokens[g] - k
-        back = tokens - front - middle
+        g, h, k, x, u, used = _group_splits(seq, rank_cu, first, count, budget, slack, window)
+        # Cut every group's sequence into front | gap | window | rest, the first h ranks' runs and
+        # the others' in turn (one run for a group of one rank).
+        tokens = seq.group_bounds(None)[1]
+        front, gap, span = tokens.clone(), torch.zeros_like(tokens), torch.zeros_like(tokens)
+        front[g], gap[g], span[g] = x, u - x, k - x
+        rest = tokens - front - gap - span
         new = torch.cumsum(1 + split.long(), 0) - 1 - split.long()  # first new group of each group
-        labels = torch.stack([new, new + 1, new], 1).flatten()
-        chunks = seq.pieces(cut_stream(seq.cu, torch.stack([front, middle, back], 1).flatten()), labels)
+        labels = torch.stack([new, new + 1, new, new + 1], 1).flatten()
+        chunks = seq.pieces(cut_stream(seq.cu, torch.stack([front, gap, span, rest], 1).flatten()), labels)
         size = int(new[-1]) + 1 + int(split[-1])
         a, b = new[g], new[g] + 1  # the split groups' halves
         first, count, budget = (t.new_zeros(size).index_copy_(0, new, t) for t in (first, count, budget))
@@ -298,9 +327,10 @@ def _bisection_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, 
 
 
 def _group_splits(seq: Sequence, rank_cu: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
-                  budget: torch.Tensor, slack: float) -> tuple[torch.Tensor, ...]:
+                  budget: torch.Tensor, slack: float, window: bool) -> tuple[torch.Tensor, ...]:
     """For every group of more than one rank: ``(group, h, tokens of its first h ranks, front
-    cut, relative work error taken)`` of its best split (see :func:`_bisection_plan`)."""
+    cut, window start, relative work error taken)`` of its best split (see :func:`_bisection_plan`;
+    without ``window``, the window is the back run)."""
     # Candidate splits: the first h ranks, h within the middle half (at most SPLIT_TRIES, evenly spaced).
     low = (count // 4).clamp(min=1)
     span = count - 2 * low
@@ -332,12 +362,19 @@ def _group_splits(seq: Sequence, rank_cu: torch.Tensor, first: torch.Tensor, cou
     x = torch.cat([roots, edges, edges - rest], 1)
     valid = torch.cat([crosses, edges <= k[:, None], edges >= rest], 1)
     x = x.clamp(min=0).minimum(k[:, None])
+    u = x + rest  # the back run: a window at the very end
+    if window:  # a big chunk's edge as the front cut and the window after it that meets the work
+        front = edges.clamp(min=0).minimum(k[:, None])
+        k_, goal_, g_ = each(front)
+        start = seq.solve(k_, goal_, front.flatten(), (front + rest).flatten(), g_, False, front.flatten())
+        start = seq.snap(start, k_, goal_, slack, g_, front.flatten()).view(front.shape)
+        x, u, valid = torch.cat([x, front], 1), torch.cat([u, start], 1), torch.cat([valid, edges <= k[:, None]], 1)
     k_, goal_, g_ = each(x)
-    err = (seq.held(x.flatten(), k_, g_) - goal_).view(x.shape).abs()
+    err = (seq.held(x.flatten(), k_, g_, u.flatten()) - goal_).view(x.shape).abs()
     rel = err / torch.minimum(goal, work1 - work0 - goal).clamp(min=1.0)[:, None]
     valid &= (rel <= budget[g][:, None]) | (torch.arange(x.shape[1]) < BRACKETS)  # roots: within the slack
-    front = base[:, None] + x
-    cost = seq.cut_cost(front) + seq.cut_cost(front + rest)
+    cut = base[:, None] + torch.cat([x, u, u + k[:, None] - x], 1)
+    cost = seq.cut_cost(cut).view(x.shape[0], 3, -1).sum(1)
     # Per group: least KV (documents that could stay whole first), then the most even h, the least error.
     key = torch.where(valid, cost, torch.inf) * (2 * int(count.max())) + rel.clamp(max=0.5)
     key += (2 * h - count[g]).abs().double()[:, None]
@@ -345,7 +382,7 @@ def _group_splits(seq: Sequence, rank_cu: torch.Tensor, first: torch.Tensor, cou
     best = torch.full((count.numel(),), torch.inf, dtype=torch.float64).scatter_reduce(0, g, row_best, "amin")
     pick = torch.nonzero(row_best == best[g]).flatten()
     pick = pick[torch.cat([torch.ones(1, dtype=torch.bool), g[pick[1:]] != g[pick[:-1]]])]  # first per group
-    return g[pick], h[pick], k[pick], x[pick, col[pick]], rel[pick, col[pick]]
+    return g[pick], h[pick], k[pick], x[pick, col[pick]], u[pick, col[pick]], rel[pick, col[pick]]
 
 
 def _big_chunk_edges(seq: Sequence, groups: int) -> torch.Tensor:
@@ -361,6 +398,11 @@ def _big_chunk_edges(seq: Sequence, groups: int) -> torch.Tensor:
     edges[chunk_group[i], rank[keep]] = seq.cu[i]
     edges[chunk_group[i], BIG_CHUNKS + rank[keep]] = seq.cu[i + 1]
     return edges
+
+
+def _column(v: torch.Tensor | int) -> torch.Tensor:
+    """``v`` (per row, or one scalar for all) as a column that broadcasts against ``[rows, width]``."""
+    return torch.as_tensor(v).reshape(-1, 1)
 
 
 def _excess(seq: Sequence, x: torch.Tensor, k: torch.Tensor, need: torch.Tensor) -> float:
@@ -471,48 +513,61 @@ class Sequence:
         end = self.start[i] + self.lengths[i]
         return self.cu_work[i] + self.mask.pairs(end - o, end, 0, self.doc_len[i]).double()
 
-    def held(self, x: torch.Tensor, k: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor:
+    def held(self, x: torch.Tensor, k: torch.Tensor, g: torch.Tensor | None = None,
+             u: torch.Tensor | None = None) -> torch.Tensor:
         """Work of ranks 0..r (of group ``g``) when their front runs end at ``x`` (and hold ``k``
-        tokens in all)."""
+        tokens in all): the rest from the back, or with ``u``, the *window* ``[u, u + k - x)``."""
         base, tokens, work0, work1 = self._bounds(g)
-        front, back = self.prefix_work(torch.cat([base + x, base + x + tokens - k])).split(x.numel())
-        return front - work0 + work1 - back
+        if u is None:
+            front, back = self.prefix_work(torch.cat([base + x, base + x + tokens - k])).split(x.numel())
+            return front - work0 + work1 - back
+        front, lo, hi = self.prefix_work(torch.cat([base + x, base + u, base + u + k - x])).split(x.numel())
+        return front - work0 + hi - lo
 
     def solve(self, k: torch.Tensor, goal: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-              g: torch.Tensor | None = None, rising: torch.Tensor | bool = True) -> torch.Tensor:
+              g: torch.Tensor | None = None, rising: torch.Tensor | bool = True,
+              front: torch.Tensor | None = None) -> torch.Tensor:
         """Front cut ``x`` in ``[lo, hi]`` whose held work is closest to ``goal`` (bisection; the
         held work grows with ``x`` as long as the front is denser than the back; where it falls
-        instead, pass ``rising`` False)."""
+        instead, pass ``rising`` False); with ``front``, the start ``u`` of the window that goes
+        with that front cut instead."""
+        def held(v: torch.Tensor) -> torch.Tensor:
+            return self.held(v, k, g) if front is None else self.held(front, k, g, v)
+
         lo0 = lo
         while bool((lo < hi).any()):
             mid = (lo + hi) // 2
-            below = (self.held(mid, k, g) < goal) == rising
+            below = (held(mid) < goal) == rising
             lo = torch.where(below, mid + 1, lo)
             hi = torch.where(below, hi, mid)
         prev = torch.maximum(lo - 1, lo0)
-        closer = (self.held(prev, k, g) - goal).abs() < (self.held(lo, k, g) - goal).abs()
+        closer = (held(prev) - goal).abs() < (held(lo) - goal).abs()
         return torch.where(closer, prev, lo)
 
     def snap(self, x: torch.Tensor, k: torch.Tensor, goal: torch.Tensor, slack: float,
-             g: torch.Tensor | None = None) -> torch.Tensor:
+             g: torch.Tensor | None = None, front: torch.Tensor | None = None) -> torch.Tensor:
         """Move each pair of cuts (``x`` and ``y = x + T - k`` together) so that they cut as few
-        documents as possible, least KV next, while the held work stays within ``slack``."""
+        documents as possible, least KV next, while the held work stays within ``slack``; with
+        ``front``, the two ends of the window that goes with that front cut (``x``: its start)."""
         base, tokens = self._bounds(g)[:2]
         first, last = (0, self.cu.numel() - 1) if g is None else (self.group_chunks[g], self.group_chunks[g + 1])
-        y = x + tokens - k
+        lo, hi, offset = (0, k, tokens - k) if front is None else (front, front + tokens - k, k - front)
+        y = x + offset
         candidates = [x]
         for cut in (x, y):
             i = self.locate(base + cut)[0]
             for j in range(-SNAP_REACH, SNAP_REACH + 2):  # this cut onto a nearby chunk boundary
                 near = torch.minimum(torch.maximum(i + j, torch.as_tensor(first)), torch.as_tensor(last))
                 candidates.append(x + self.cu[near] - base - cut)
-        cands = torch.stack(candidates, 1).clamp(min=0).minimum(k[:, None])
+        cands = torch.stack(candidates, 1).maximum(_column(lo)).minimum(_column(hi))
         width = cands.shape[1]
         per_row = None if g is None else g.repeat_interleave(width)
-        err = (self.held(cands.flatten(), k.repeat_interleave(width), per_row).view_as(cands.double())
-               - goal[:, None]).abs()
-        front = cands + (base if g is None else base[:, None])
-        cost = self.cut_cost(front) + self.cut_cost(front + (tokens - k)[:, None])
+        k_ = k.repeat_interleave(width)
+        held = (self.held(cands.flatten(), k_, per_row) if front is None else
+                self.held(front.repeat_interleave(width), k_, per_row, cands.flatten()))
+        err = (held.view_as(cands.double()) - goal[:, None]).abs()
+        at = cands + _column(base)
+        cost = self.cut_cost(at) + self.cut_cost(at + _column(offset))
         ok = err <= slack
         ok[:, 0] = True  # the bisection's own cut is always allowed
         score = torch.where(ok, cost, torch.finfo(torch.float64).max)
