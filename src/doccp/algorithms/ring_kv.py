@@ -67,8 +67,12 @@ def ring_blocks(plan: Plan) -> tuple[Pieces, torch.Tensor, torch.Tensor]:
     joined = head_end >= tail_start
     lo = torch.stack([p.start, torch.where(joined, p.end, tail_start)], 1)
     hi = torch.stack([torch.where(joined, p.end, head_end), p.end], 1)
+    used = (hi > lo).any(0)  # a causal mask: no piece has a second part, so one column does
+    if not bool(used.all()):
+        column = slice(1, 2) if bool(used[1]) else slice(0, 1)
+        lo, hi = lo[:, column], hi[:, column]
     row = plan.rank_offsets(hi - lo).reshape(-1)
-    rank, doc = (torch.stack([x, x], 1).reshape(-1) for x in (p.rank, p.doc))
+    rank, doc = (x[:, None].expand_as(lo).reshape(-1) for x in (p.rank, p.doc))
     keep = index_of(hi.reshape(-1) > lo.reshape(-1))
     blocks = Pieces(rank, doc, lo.reshape(-1), hi.reshape(-1)).select(keep)
     row = take(row, keep)

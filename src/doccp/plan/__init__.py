@@ -173,7 +173,7 @@ class Plan:
         order, rank = self._rank_order, self.stream_pieces.rank
         k = sizes.shape[1] if sizes.dim() == 2 else 1
         # entry e of piece p is flat entry k * p + e; in rank order the pieces' entries stay together
-        flat_order = (order[:, None] * k + torch.arange(k)).reshape(-1)
+        flat_order = (order[:, None] * k + torch.arange(k)).reshape(-1) if k > 1 else order
         in_order = sizes.reshape(-1).index_select(0, flat_order)
         before = torch.cumsum(in_order, 0) - in_order
         totals = torch.zeros(self.world_size, dtype=torch.int64).index_add_(
