@@ -67,7 +67,7 @@ def ring_blocks(plan: Plan) -> tuple[Pieces, torch.Tensor, torch.Tensor]:
     joined = head_end >= tail_start
     lo = torch.stack([p.start, torch.where(joined, p.end, tail_start)], 1)
     hi = torch.stack([torch.where(joined, p.end, head_end), p.end], 1)
-    used = (hi > lo).any(0)  # a causal mask: no piece has a second part, so one column does
+    used = (hi > lo).any(0)  # where no piece has two parts (causal: they join), one column holds them all
     if not bool(used.all()):
         column = slice(1, 2) if bool(used[1]) else slice(0, 1)
         lo, hi = lo[:, column], hi[:, column]
@@ -120,12 +120,12 @@ class RingKV(Algorithm):
         # Step 0: my queries against my own rows. Steps 1..N-1 in one table: the parts of the other
         # ranks' blocks my queries can see (in stream order, so by document), at their rows within
         # their block; each slice then goes to the step its block's owner visits.
-        home = geo.runs.slices_against(geo.runs, plan.mask)
+        q = geo.runs
+        home = q.slices_against(q, plan.mask)
         i, j, g0, g1 = overlaps(geo.seen_g0, geo.seen_g1, b0, b1)
         src = take(blocks.rank, j)
         keep = index_of(src != me)
         j, g0, g1, src = (take(x, keep) for x in (j, g0, g1, src))
-        q = geo.runs
         visiting, key = segment_pairs(q.doc, q.row, q.pos, q.length, take(blocks.doc, j),
                                       take(block_row, j) + (g0 - take(b0, j)), g0 - take(block_base, j), g1 - g0,
                                       plan.mask)
