@@ -353,9 +353,13 @@ def _group_splits(seq: Sequence, rank_cu: torch.Tensor, first: torch.Tensor, cou
     crosses = above[:, 1:] != above[:, :-1]
     none = torch.nonzero(~crosses.any(1)).flatten()  # no crossing: the bracket of the closest grid point
     crosses[none, miss[none].abs().argmin(1).clamp(max=BRACKETS - 1)] = True
-    k_, goal_, g_ = each(crosses)
-    roots = seq.solve(k_, goal_, grid[:, :-1].flatten(), grid[:, 1:].flatten(), g_, (~above[:, :-1]).flatten())
-    roots = seq.snap(roots, k_, goal_, slack, g_).view(crosses.shape)
+    # Solved only where it crosses (a bracket without a crossing keeps its start and is never valid).
+    at = torch.nonzero(crosses.flatten()).flatten()
+    k_, goal_, g_ = (t.index_select(0, at) for t in each(crosses))
+    starts = grid[:, :-1].flatten()
+    rising = (~above[:, :-1]).flatten().index_select(0, at)
+    found = seq.solve(k_, goal_, starts.index_select(0, at), grid[:, 1:].flatten().index_select(0, at), g_, rising)
+    roots = starts.index_copy(0, at, seq.snap(found, k_, goal_, slack, g_)).view(crosses.shape)
     # And cut pairs keeping a big chunk whole: its edges as the front or as the back cut.
     edges = _big_chunk_edges(seq, count.numel())[g] - base[:, None]
     rest = (tokens - k)[:, None]
