@@ -83,6 +83,12 @@ PIN_ROUNDS = 3
 #: Where a cut document that could stay whole is pinned, tried in turn: the rank holding most of
 #: it, rank 0 (whose back run holds the lightest documents), the lowest of its ranks.
 PIN_TO = ("most", "zero", "first")
+#: Bisection steps :meth:`Sequence.solve` takes per evaluation of the held work: the midpoints of
+#: every path through the next few steps in one vectorised call (up to SOLVE_POINTS of them), the
+#: same roots in a quarter of the calls. Planning is bound by the per-call overhead of those calls
+#: where few brackets are solved at once, not by their width.
+SOLVE_LEVELS = 4
+SOLVE_POINTS = 1024
 #: Chunks on either side of a cut whose boundaries the cut may snap to.
 SNAP_REACH = 2
 #: Rounds of re-solving cuts that overtook their neighbour before clamping them.
@@ -535,17 +541,41 @@ class Sequence:
         held work grows with ``x`` as long as the front is denser than the back; where it falls
         instead, pass ``rising`` False); with ``front``, the start ``u`` of the window that goes
         with that front cut instead."""
-        def held(v: torch.Tensor) -> torch.Tensor:
+        rows = max(lo.numel(), 1)
+        levels = max(1, min(SOLVE_LEVELS, (SOLVE_POINTS // rows + 1).bit_length() - 1))
+        wide = [t.repeat_interleave((1 << levels) - 1) if isinstance(t, torch.Tensor) and t.dim() else t
+                for t in (k, g, front)]
+
+        def held(v: torch.Tensor, k, g, front) -> torch.Tensor:
             return self.held(v, k, g) if front is None else self.held(front, k, g, v)
 
         lo0 = lo
+        goal_, rising_ = _column(goal), _column(rising)
         while bool((lo < hi).any()):
-            mid = (lo + hi) // 2
-            below = (held(mid) < goal) == rising
-            lo = torch.where(below, mid + 1, lo)
-            hi = torch.where(below, hi, mid)
+            # The midpoints of the next `levels` bisection steps, for every path through them
+            # (level l: 2^l brackets per row, a step below the goal takes the upper half), held in
+            # one call; then the steps replayed along the path the values choose.
+            at, node_lo, node_hi = [], lo[:, None], hi[:, None]
+            for _ in range(levels):
+                mid = (node_lo + node_hi) // 2
+                at.append(mid)
+                node_lo = torch.stack([node_lo, mid + 1], 2).flatten(1)
+                node_hi = torch.stack([mid, node_hi], 2).flatten(1)
+            at = torch.cat(at, 1)
+            below = (held(at.flatten(), *wide).view(at.shape) < goal_) == rising_
+            node = torch.zeros_like(lo)
+            for level in range(levels):
+                if level and not bool((lo < hi).any()):
+                    break
+                step = below.gather(1, (node + (1 << level) - 1)[:, None]).squeeze(1)
+                mid = (lo + hi) // 2
+                lo = torch.where(step, mid + 1, lo)
+                hi = torch.where(step, hi, mid)
+                node = 2 * node + step
         prev = torch.maximum(lo - 1, lo0)
-        closer = (held(prev) - goal).abs() < (held(lo) - goal).abs()
+        both = held(torch.cat([prev, lo]), *(torch.cat([t, t]) if isinstance(t, torch.Tensor) and t.dim() else t
+                                             for t in (k, g, front)))
+        closer = (both[:prev.numel()] - goal).abs() < (both[prev.numel():] - goal).abs()
         return torch.where(closer, prev, lo)
 
     def snap(self, x: torch.Tensor, k: torch.Tensor, goal: torch.Tensor, slack: float,
