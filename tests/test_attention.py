@@ -194,30 +194,36 @@ def test_attention_balanced_plans_odd_world():
     check(spawn(run_cases, 3, 3, cases, threads=1), cases, 3)
 
 
-def _from_bisection(lengths: list[int], n: int, mask: Mask) -> bool:
-    """Whether ``balanced`` takes the recursive bisection planner's plan for this layout."""
+def _from_bisection(lengths: list[int], n: int, mask: Mask, late: bool | None = None) -> bool:
+    """Whether ``balanced`` takes the recursive bisection planner's plan for this layout (with
+    ``late``, one of its late-head variants, or only others)."""
     import importlib
     balanced = importlib.import_module("doccp.plan.balanced")
     layout = DocLayout.from_lengths(lengths)
     work = mask.pairs(0, layout.lengths, 0, layout.lengths)
     whole = (layout.lengths <= -(-layout.num_tokens // n)) & (work.double() <= float(work.sum()) / n)
     theirs = doccp.plan(layout, n, mask).stream_pieces
-    for head_back, window in itertools.product(balanced.BISECT_HEAD_BACK, balanced.BISECT_WINDOW):
-        ours = balanced._bisection_plan(layout, n, mask, whole, head_back, window).stream_normalized()
+    for (head_back, late_heads), window in itertools.product(balanced.BISECT_HEAD_BACK, balanced.BISECT_WINDOW):
+        if late is not None and late_heads != late:
+            continue
+        ours = balanced._bisection_plan(layout, n, mask, whole, head_back, window, late_heads).stream_normalized()
         if len(ours) == len(theirs) and all(bool((getattr(ours, f) == getattr(theirs, f)).all())
                                             for f in ("rank", "doc", "start", "end")):
             return True
     return False
 
 
-@pytest.mark.parametrize("world_size, lengths, masks", [
-    (3, [78, 1, 1, 71, 0], [Mask.causal(), Mask.chunked(16)]),
-    (5, [53, 58, 1, 0, 1, 0, 62], [Mask.causal(), Mask.sliding_window(4, 3)]),
+@pytest.mark.parametrize("world_size, lengths, masks, late", [
+    (3, [78, 1, 1, 71, 0], [Mask.causal(), Mask.chunked(16)], None),
+    (5, [53, 58, 1, 0, 1, 0, 62], [Mask.causal(), Mask.sliding_window(4, 3)], None),
+    (3, [0, 79, 5, 5, 5, 2, 2, 8, 78, 3], [Mask.causal()], True),
+    (5, [78, 0, 77, 2, 77, 2, 1], [Mask.chunked(16)], True),
 ])
-def test_attention_bisection_plans(world_size, lengths, masks):
+def test_attention_bisection_plans(world_size, lengths, masks, late):
     """Plans of the recursive bisection (big documents on groups of ranks, heads and tails
-    together) at odd N, with zero-length and 1-token documents."""
-    assert all(_from_bisection(lengths, world_size, mask) for mask in masks)  # the plans under test
+    together; ``late``: heads split off only in groups of two ranks) at odd N, with zero-length
+    and 1-token documents."""
+    assert all(_from_bisection(lengths, world_size, mask, late) for mask in masks)  # the plans under test
     cases = [(lengths, "balanced", mask, algorithm, i)
              for i, (mask, algorithm) in enumerate(itertools.product(masks, ALGORITHMS))]
     check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)

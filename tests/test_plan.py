@@ -526,12 +526,25 @@ def test_bisection_plan_partitions_the_stream(case):
         return
     doc_work = mask.pairs(0, layout.lengths, 0, layout.lengths)
     whole = layout.lengths <= -(-layout.num_tokens // n)
-    pieces = balanced._bisection_plan(layout, n, mask, whole & (doc_work.double() <= float(doc_work.sum()) / n))
-    pieces = pieces.stream_normalized()
-    _check_partition(pieces, layout, "bisection")
-    p = Plan(layout, n, mask, "balanced", pieces)
-    assert max(p.local_sizes) - min(p.local_sizes) <= 1
-    assert owners(p).ge(0).all()
+    whole &= doc_work.double() <= float(doc_work.sum()) / n
+    for head_back, late in balanced.BISECT_HEAD_BACK:
+        pieces = balanced._bisection_plan(layout, n, mask, whole, head_back, late=late).stream_normalized()
+        _check_partition(pieces, layout, "bisection")
+        p = Plan(layout, n, mask, "balanced", pieces)
+        assert max(p.local_sizes) - min(p.local_sizes) <= 1
+        assert owners(p).ge(0).all()
+
+
+def test_late_heads_keep_each_big_document_in_a_group_of_its_own():
+    """Two documents of 38k and 35k tokens over 4 ranks (1.97 and 1.65 ranks' work; pretrain layout
+    1): with every head split off at the start, ranks 0-1 took the 38k one and the 35k one's head
+    (0.261 of an all-gather); heads split off only in groups of two put each document on two
+    ranks, head + tail on one of them."""
+    from doccp.app import workloads
+    layout = DocLayout.from_lengths(workloads.layouts("pretrain", 131072, 8)[1])
+    s = plan(layout, 4).stats()
+    assert s.imbalance <= 1.01 and max(s.tokens) - min(s.tokens) <= 1
+    assert s.max_kv_fraction <= 0.21, s.kv_recv  # early heads only: 0.261
 
 
 def test_bisection_plan_balances_the_seeded_mixes():

@@ -108,8 +108,14 @@ BISECT_BUDGET = 0.006
 #: Most group splits (first ranks of the group) the bisection planner tries per group.
 SPLIT_TRIES = 16
 #: Head shares of documents that cannot stay whole the bisection planner tries in turn (see
-#: HEAD_BACK; 0: each such document one chunk).
-BISECT_HEAD_BACK = (0.0, 0.25)
+#: HEAD_BACK; 0: each such document one chunk), each with whether the head goes to the back *late*:
+#: only in groups about to split into single ranks, where a document then sits whole in a group
+#: of two sized for it (early: the heads of every big document trail the first level's sequence,
+#: and one group's back run takes another group's head).
+BISECT_HEAD_BACK = ((0.0, False), (0.25, False), (0.4, True))
+#: Most ranks the late-head bisections are tried for (they gained KV only for N <= 4 on the
+#: seeded mixes; each is a full bisection more).
+LATE_HEAD_RANKS = 8
 #: Whether the bisection planner's first ranks of a group take a window of the group's sequence
 #: (after a big chunk's edge as the front cut) besides the back run, tried in turn (see
 #: :func:`_bisection_plan`; with two ranks, only the windows: the back run is the sequence plan).
@@ -132,12 +138,14 @@ class Chunking(NamedTuple):
     tokens sorted by density (0: one chunk), or, with ``head_back``, the document's tail by
     density and its first ``head_back`` share last; with ``bisect``, in the sequences of a
     recursive bisection of the ranks (:func:`_bisection_plan`) instead of one sequence, there
-    with ``window``, a window of the sequence in place of the back run where it cuts less."""
+    with ``window``, a window of the sequence in place of the back run where it cuts less, and
+    with ``late``, heads split off only in groups of two ranks."""
 
     per_rank: int
     head_back: float = 0.0
     bisect: bool = False
     window: bool = False
+    late: bool = False
 
 
 def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
@@ -164,10 +172,10 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
         heads = [Chunking(0, h) for h in HEAD_BACK] if heavy and not bool(whole.all()) else []
         yield from ((c, PIN_TO[0], True) for c in heads)
         # Recursive bisections where the KV is still above the goal (documents that fill groups of ranks).
-        for head_back, window in itertools.product(BISECT_HEAD_BACK, BISECT_WINDOW):
+        for (head_back, late), window in itertools.product(BISECT_HEAD_BACK, BISECT_WINDOW):
             tried = n <= WINDOW_RANKS if window else n > 2  # two ranks, no window: the sequence plan
-            if tried and (best_score[0] or best_score[1] > kv_goal):
-                yield Chunking(0, head_back, bisect=True, window=window), PIN_TO[0], True
+            if tried and (n <= LATE_HEAD_RANKS or not late) and (best_score[0] or best_score[1] > kv_goal):
+                yield Chunking(0, head_back, bisect=True, window=window, late=late), PIN_TO[0], True
         yield from ((c, pin_to, False) for pin_to in PIN_TO for c in [*chunkings, *heads])
 
     unpinned: dict[Chunking, tuple] = {}
@@ -177,8 +185,8 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
             if round_ == 0 and chunks in unpinned:
                 pieces, score, cut = unpinned[chunks]
             else:
-                pieces = (_bisection_plan(layout, n, mask, whole, chunks.head_back, chunks.window) if chunks.bisect else
-                          _sequence_plan(layout, n, mask, chunks, whole, pinned, doc_work))
+                pieces = (_bisection_plan(layout, n, mask, whole, chunks.head_back, chunks.window, chunks.late)
+                          if chunks.bisect else _sequence_plan(layout, n, mask, chunks, whole, pinned, doc_work))
                 attempts += not (probe and (chunks.head_back or chunks.bisect))  # on top of the budget
                 if pieces is None:
                     break
@@ -268,7 +276,7 @@ def _sequence_plan(layout: DocLayout, n: int, mask: Mask, chunking: Chunking, wh
 
 
 def _bisection_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, head_back: float = 0.0,
-                    window: bool = False) -> Pieces:
+                    window: bool = False, late: bool = False) -> Pieces:
     """Recursive bisection: a group of ``k`` ranks gives its first ``h`` ranks a front run and a
     back run of *its own* sequence (its chunks sorted by density) with their share of the
     group's tokens and work, the rest the middle; every group of a level is solved at once.
@@ -299,6 +307,16 @@ def _bisection_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, 
         pretrain mix, N = 4: A (0.88 of a rank's work) + the lightest documents miss 4% of the
         work; front + back took the last 314 tokens of B (0.78) too: 0.117 of an all-gather
         received. A + a window of mid-density documents: 0.023 (contiguous, unbalanced: 0.016)
+
+    With ``late``, no head is split off at first: where a group of two ranks is about to split,
+    each chunk of a document that cannot stay whole gives its first ``head_back`` share to the
+    back of that group's sequence. Early heads all trail the first level's sequence, so a group
+    sized for one big document takes another's head with its back run; late, each big document
+    first goes whole to a group of its own, then head and tail to one rank of it::
+
+        pretrain mix, N = 4, documents of 38k and 35k tokens (1.97 and 1.65 ranks' work): early heads,
+        ranks 0-1 hold the 38k one and the 35k one's head: 0.261 of an all-gather; late heads,
+        each document in a group of two, head + tail on one rank, the middle on the other: 0.203
     """
     lengths = layout.lengths
     rank_cu = torch.cat([lengths.new_zeros(1), torch.cumsum(even_sizes(layout.num_tokens, n), 0)])
@@ -306,13 +324,21 @@ def _bisection_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, 
     budget = torch.full((1,), BISECT_BUDGET, dtype=torch.float64)  # relative work error a group may still take
     doc = torch.nonzero(lengths > 0).flatten()
     # Chunks (rank: the chunk's group): every document, or its tail and then its head (a last chunk).
-    head_end = torch.where(whole, 0, (lengths * head_back).long())
+    head_end = torch.where(whole | late, 0, (lengths * head_back).long())
     heads = doc[head_end[doc] > 0]
     chunks = Pieces.cat([Pieces.of(0, doc, head_end[doc], lengths[doc]), Pieces.of(0, heads, 0, head_end[heads])])
+    head = torch.arange(len(chunks)) >= doc.numel()
     slack = SNAP_SLACK * float(mask.pairs(0, lengths, 0, lengths).sum()) / n
     while bool((count > 1).any()):
+        if late and head_back:  # groups of two ranks: each big document's chunk gives its head to the back
+            big = (count[chunks.rank] == 2) & ~whole[chunks.doc] & ~head & (chunks.length > 1)
+            mid = chunks.start + (chunks.length * head_back).long().clamp(min=1)
+            tails = Pieces(chunks.rank, chunks.doc, torch.where(big, mid, chunks.start), chunks.end)
+            b = torch.nonzero(big).flatten()
+            chunks = Pieces.cat([tails, Pieces(chunks.rank[b], chunks.doc[b], chunks.start[b], mid[b])])
+            head = torch.cat([head, torch.ones(b.numel(), dtype=torch.bool)])
         seq = Sequence(chunks.doc, chunks.start, chunks.end, lengths, whole, mask, group=chunks.rank,
-                       groups=count.numel(), last=(chunks.end <= head_end[chunks.doc]) if head_back else None)
+                       groups=count.numel(), last=head if head_back else None)
         split = count > 1
         g, h, k, x, u, used = _group_splits(seq, rank_cu, first, count, budget, slack, window)
         # Cut every group's sequence into front | gap | window | rest, the first h ranks' runs and
@@ -323,7 +349,8 @@ def _bisection_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, 
         rest = tokens - front - gap - span
         new = torch.cumsum(1 + split.long(), 0) - 1 - split.long()  # first new group of each group
         labels = torch.stack([new, new + 1, new, new + 1], 1).flatten()
-        chunks = seq.pieces(cut_stream(seq.cu, torch.stack([front, gap, span, rest], 1).flatten()), labels)
+        cut = cut_stream(seq.cu, torch.stack([front, gap, span, rest], 1).flatten())
+        chunks, head = seq.pieces(cut, labels), seq.last[cut.doc]
         size = int(new[-1]) + 1 + int(split[-1])
         a, b = new[g], new[g] + 1  # the split groups' halves
         first, count, budget = (t.new_zeros(size).index_copy_(0, new, t) for t in (first, count, budget))
@@ -469,6 +496,7 @@ class Sequence:
             if key is not None:
                 order = order[torch.argsort(key[order].to(torch.int32), stable=True)]
         self.doc, self.start, self.doc_len, self.whole_ok = doc[order], start[order], doc_len[order], whole[doc][order]
+        self.last = last[order] if last is not None else torch.zeros(order.numel(), dtype=torch.bool)
         self.lengths = (end - start)[order]
         self.work = work[order]
         self.cu = torch.cat([lengths.new_zeros(1), torch.cumsum(self.lengths, 0)])
