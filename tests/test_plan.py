@@ -6,6 +6,7 @@ so they share no code with the vectorised planner they check.
 
 from __future__ import annotations
 
+import importlib
 import random
 
 import pytest
@@ -49,6 +50,18 @@ def layouts(draw, n: int) -> list[int]:
 def cases(draw):
     n = draw(st.integers(1, 16))
     return draw(layouts(n)), n, draw(masks), draw(st.sampled_from(sorted(STRATEGIES)))
+
+
+balanced = importlib.import_module("doccp.plan.balanced")
+#: Every variant of the bisection planner (head shares x windows, late heads).
+BISECTIONS = [balanced.Chunking(0, head_back, True, window, late)
+              for head_back, late in balanced.BISECT_HEAD_BACK for window in balanced.BISECT_WINDOW]
+
+
+def _whole(layout: DocLayout, n: int, mask: Mask) -> torch.Tensor:
+    """Documents that may stay whole (as :func:`doccp.plan.balanced.balanced` decides)."""
+    doc_work = mask.pairs(0, layout.lengths, 0, layout.lengths)
+    return (layout.lengths <= -(-layout.num_tokens // n)) & (doc_work.double() <= float(doc_work.sum()) / n)
 
 
 def make(case):
@@ -515,24 +528,57 @@ def test_balanced_fills_a_big_document_with_a_window():
 @given(st.integers(3, 16).flatmap(lambda n: st.tuples(layouts(n), st.just(n), masks)))
 def test_bisection_plan_partitions_the_stream(case):
     """The recursive bisection planner on any layout (zero-length and 1-token documents, T < N,
-    one document): its pieces tile the stream, tokens per rank within one."""
-    import importlib
-
+    one document), every variant (head shares, windows, late heads) solved in one pass: each
+    plan's pieces tile the stream, tokens per rank within one."""
     from doccp.plan import Plan, _check_partition
-    balanced = importlib.import_module("doccp.plan.balanced")
     lengths, n, mask = case
     layout = DocLayout.from_lengths(lengths)
     if layout.num_tokens == 0:
         return
-    doc_work = mask.pairs(0, layout.lengths, 0, layout.lengths)
-    whole = layout.lengths <= -(-layout.num_tokens // n)
-    whole &= doc_work.double() <= float(doc_work.sum()) / n
-    for head_back, late in balanced.BISECT_HEAD_BACK:
-        pieces = balanced._bisection_plan(layout, n, mask, whole, head_back, late=late).stream_normalized()
+    for pieces in balanced._bisection_plans(layout, n, mask, _whole(layout, n, mask), BISECTIONS):
+        pieces = pieces.stream_normalized()
         _check_partition(pieces, layout, "bisection")
         p = Plan(layout, n, mask, "balanced", pieces)
         assert max(p.local_sizes) - min(p.local_sizes) <= 1
         assert owners(p).ge(0).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 12).flatmap(lambda n: st.tuples(layouts(n), st.just(n), masks)))
+def test_bisection_variants_solved_together_are_each_alone(case):
+    """The variants share one pass of vectorised calls as rank groups of their own; no group may
+    sway another (a bisection row that stops early, a tie-break scaled by another plan's groups,
+    the penalty of a cut that could be avoided), so each plan is the one it gets alone."""
+    lengths, n, mask = case
+    layout = DocLayout.from_lengths(lengths)
+    if layout.num_tokens == 0:
+        return
+    whole = _whole(layout, n, mask)
+    together = balanced._bisection_plans(layout, n, mask, whole, BISECTIONS)
+    for variant, pieces in zip(BISECTIONS, together, strict=True):
+        alone = balanced._bisection_plans(layout, n, mask, whole, [variant])[0]
+        assert all(torch.equal(getattr(pieces.stream_normalized(), f), getattr(alone.stream_normalized(), f))
+                   for f in ("rank", "doc", "start", "end")), variant
+
+
+def test_sequence_solve_rows_are_independent():
+    """Each row's root is its own bisection's: the same whether solved alone or beside rows that take
+    more steps, and never outside its bracket."""
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    layout = DocLayout.from_lengths([rng.randrange(0, 300) for _ in range(30)])
+    mask, n = Mask.causal(), 4
+    seq = balanced.Sequence.of_layout(layout.lengths, mask, -(-layout.num_tokens // n), _whole(layout, n, mask),
+                                      balanced.Chunking(4))
+    rows = 300
+    k = torch.randint(1, layout.num_tokens, (rows,))
+    lo = (torch.rand(rows) * k).long()
+    hi = lo + (torch.rand(rows) ** 4 * (k - lo)).long()  # brackets of very different widths
+    goal = seq.held(k // 2, k) * (0.5 + torch.rand(rows, dtype=torch.float64))
+    together = seq.solve(k, goal, lo, hi)
+    alone = torch.cat([seq.solve(k[i:i + 1], goal[i:i + 1], lo[i:i + 1], hi[i:i + 1]) for i in range(rows)])
+    assert torch.equal(together, alone)
+    assert bool(((together >= lo) & (together <= hi)).all())
 
 
 def test_late_heads_keep_each_big_document_in_a_group_of_its_own():
@@ -550,18 +596,13 @@ def test_late_heads_keep_each_big_document_in_a_group_of_its_own():
 def test_bisection_plan_balances_the_seeded_mixes():
     """On every seeded mix at odd and even N, the bisection planner alone reaches the balance
     target (it is one candidate of ``balanced``, scored like the others)."""
-    import importlib
-
     from doccp.app import workloads
     from doccp.plan import Plan
-    balanced = importlib.import_module("doccp.plan.balanced")
     mask = Mask.causal()
     for mix in workloads.MIXES:
         for n in (3, 8, 13):
             layout = DocLayout.from_lengths(workloads.layout(mix, 32768, n))
-            doc_work = mask.pairs(0, layout.lengths, 0, layout.lengths)
-            whole = (layout.lengths <= -(-layout.num_tokens // n)) & (doc_work.double() <= float(doc_work.sum()) / n)
-            pieces = balanced._bisection_plan(layout, n, mask, whole).stream_normalized()
+            pieces = balanced._bisection_plan(layout, n, mask, _whole(layout, n, mask)).stream_normalized()
             s = Plan(layout, n, mask, "balanced", pieces).stats()
             assert s.imbalance <= 1.01 and max(s.tokens) - min(s.tokens) <= 1, (mix, n, s.imbalance)
 

@@ -47,7 +47,9 @@ receives more than the (unbalanced) contiguous split's max KV plus :data:`KV_GOA
 all-gather, or more than :data:`KV_HEAVY` of one. Every candidate plan is scored (unbalanced,
 max KV received, whole-able documents cut, spread) and the best one kept; a handful of
 candidates, each O(chunks log chunks + N log T) vectorised host work (the bisection: O(log N)
-levels of it), no loop over documents or ranks.
+levels of it), no loop over documents or ranks. Small layouts are bound by the per-call overhead
+of that work, not its width, so every bisection variant is solved in one pass (each in rank
+groups of its own) the first time one is tried.
 """
 
 from __future__ import annotations
@@ -164,6 +166,18 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     # Round 0 (no pins) of the probes, then pinning rounds, until _done. Round 0 of a chunking is
     # solved once (``unpinned``); a chunking that cannot balance is not pinned.
     chunkings = [Chunking(c) for c in CHUNKS_PER_RANK]
+    bisections = [Chunking(0, head_back, bisect=True, window=window, late=late)
+                  for (head_back, late), window in itertools.product(BISECT_HEAD_BACK, BISECT_WINDOW)
+                  if (n <= WINDOW_RANKS if window else n > 2)  # two ranks, no window: the sequence plan
+                  and (n <= LATE_HEAD_RANKS or not late)]
+    bisected: dict[Chunking, Pieces] = {}
+
+    def solve(chunks: Chunking, pinned: torch.Tensor) -> Pieces | None:
+        if not chunks.bisect:
+            return _sequence_plan(layout, n, mask, chunks, whole, pinned, doc_work)
+        if not bisected:  # every bisection at once, on the first that is tried (see _bisection_plans)
+            bisected.update(zip(bisections, _bisection_plans(layout, n, mask, whole, bisections), strict=True))
+        return bisected[chunks]
 
     def variants():
         yield from ((c, PIN_TO[0], True) for c in chunkings[:2])
@@ -172,10 +186,9 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
         heads = [Chunking(0, h) for h in HEAD_BACK] if heavy and not bool(whole.all()) else []
         yield from ((c, PIN_TO[0], True) for c in heads)
         # Recursive bisections where the KV is still above the goal (documents that fill groups of ranks).
-        for (head_back, late), window in itertools.product(BISECT_HEAD_BACK, BISECT_WINDOW):
-            tried = n <= WINDOW_RANKS if window else n > 2  # two ranks, no window: the sequence plan
-            if tried and (n <= LATE_HEAD_RANKS or not late) and (best_score[0] or best_score[1] > kv_goal):
-                yield Chunking(0, head_back, bisect=True, window=window, late=late), PIN_TO[0], True
+        for chunks in bisections:
+            if best_score[0] or best_score[1] > kv_goal:
+                yield chunks, PIN_TO[0], True
         yield from ((c, pin_to, False) for pin_to in PIN_TO for c in [*chunkings, *heads])
 
     unpinned: dict[Chunking, tuple] = {}
@@ -185,8 +198,7 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
             if round_ == 0 and chunks in unpinned:
                 pieces, score, cut = unpinned[chunks]
             else:
-                pieces = (_bisection_plan(layout, n, mask, whole, chunks.head_back, chunks.window, chunks.late)
-                          if chunks.bisect else _sequence_plan(layout, n, mask, chunks, whole, pinned, doc_work))
+                pieces = solve(chunks, pinned)
                 attempts += not (probe and (chunks.head_back or chunks.bisect))  # on top of the budget
                 if pieces is None:
                     break
@@ -210,7 +222,6 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
                 pinned[part.doc] = 0
         if not probe and best_score is not None and _done(best_score, attempts):
             break
-    # Recursive bisection where the KV is still above the goal (documents that fill groups of ranks).
     return best
 
 
@@ -277,6 +288,12 @@ def _sequence_plan(layout: DocLayout, n: int, mask: Mask, chunking: Chunking, wh
 
 def _bisection_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, head_back: float = 0.0,
                     window: bool = False, late: bool = False) -> Pieces:
+    """One bisection plan (see :func:`_bisection_plans`)."""
+    return _bisection_plans(layout, n, mask, whole, [Chunking(0, head_back, True, window, late)])[0]
+
+
+def _bisection_plans(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor,
+                     variants: list[Chunking]) -> list[Pieces]:
     """Recursive bisection: a group of ``k`` ranks gives its first ``h`` ranks a front run and a
     back run of *its own* sequence (its chunks sorted by density) with their share of the
     group's tokens and work, the rest the middle; every group of a level is solved at once.
@@ -317,30 +334,45 @@ def _bisection_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, 
         pretrain mix, N = 4, documents of 38k and 35k tokens (1.97 and 1.65 ranks' work): early heads,
         ranks 0-1 hold the 38k one and the 35k one's head: 0.261 of an all-gather; late heads,
         each document in a group of two, head + tail on one rank, the middle on the other: 0.203
+
+    Several ``variants`` (head share, window, late: the :class:`Chunking` of each) are solved in
+    one pass, each from a rank group of its own (groups never interact), so a level costs one
+    round of vectorised calls for all of them: planning is bound by the per-call overhead where
+    the groups are few, and the variants' plans are the ones each gets alone.
     """
     lengths = layout.lengths
     rank_cu = torch.cat([lengths.new_zeros(1), torch.cumsum(even_sizes(layout.num_tokens, n), 0)])
-    first, count = lengths.new_zeros(1), lengths.new_full((1,), n)  # the rank groups
-    budget = torch.full((1,), BISECT_BUDGET, dtype=torch.float64)  # relative work error a group may still take
+    m = len(variants)
+    # The rank groups (first rank, ranks, the variant they plan for), one per variant at first.
+    first, count, variant = lengths.new_zeros(m), lengths.new_full((m,), n), torch.arange(m)
+    budget = torch.full((m,), BISECT_BUDGET, dtype=torch.float64)  # relative work error a group may still take
+    head_back = torch.tensor([v.head_back for v in variants], dtype=torch.float32)
+    late = torch.tensor([v.late and v.head_back > 0 for v in variants])
+    window = torch.tensor([v.window for v in variants])
     doc = torch.nonzero(lengths > 0).flatten()
     # Chunks (rank: the chunk's group): every document, or its tail and then its head (a last chunk).
-    head_end = torch.where(whole | late, 0, (lengths * head_back).long())
-    heads = doc[head_end[doc] > 0]
-    chunks = Pieces.cat([Pieces.of(0, doc, head_end[doc], lengths[doc]), Pieces.of(0, heads, 0, head_end[heads])])
-    head = torch.arange(len(chunks)) >= doc.numel()
+    parts, head = [], []
+    for i, v in enumerate(variants):
+        head_end = torch.where(whole | v.late, 0, (lengths * v.head_back).long())
+        heads = doc[head_end[doc] > 0]
+        parts += [Pieces.of(i, doc, head_end[doc], lengths[doc]), Pieces.of(i, heads, 0, head_end[heads])]
+        head += [torch.zeros(doc.numel(), dtype=torch.bool), torch.ones(heads.numel(), dtype=torch.bool)]
+    chunks, head = Pieces.cat(parts), torch.cat(head)
     slack = SNAP_SLACK * float(mask.pairs(0, lengths, 0, lengths).sum()) / n
     while bool((count > 1).any()):
-        if late and head_back:  # groups of two ranks: each big document's chunk gives its head to the back
-            big = (count[chunks.rank] == 2) & ~whole[chunks.doc] & ~head & (chunks.length > 1)
-            mid = chunks.start + (chunks.length * head_back).long().clamp(min=1)
+        if bool(late.any()):  # groups of two ranks: each big document's chunk gives its head to the back
+            group_variant = variant[chunks.rank]
+            big = (late[group_variant] & (count[chunks.rank] == 2) & ~whole[chunks.doc] & ~head
+                   & (chunks.length > 1))
+            mid = chunks.start + (chunks.length * head_back[group_variant]).long().clamp(min=1)
             tails = Pieces(chunks.rank, chunks.doc, torch.where(big, mid, chunks.start), chunks.end)
             b = torch.nonzero(big).flatten()
             chunks = Pieces.cat([tails, Pieces(chunks.rank[b], chunks.doc[b], chunks.start[b], mid[b])])
             head = torch.cat([head, torch.ones(b.numel(), dtype=torch.bool)])
         seq = Sequence(chunks.doc, chunks.start, chunks.end, lengths, whole, mask, group=chunks.rank,
-                       groups=count.numel(), last=head if head_back else None)
+                       groups=count.numel(), last=head if bool((head_back > 0).any()) else None)
         split = count > 1
-        g, h, k, x, u, used = _group_splits(seq, rank_cu, first, count, budget, slack, window)
+        g, h, k, x, u, used = _group_splits(seq, rank_cu, first, count, budget, slack, window[variant], variant)
         # Cut every group's sequence into front | gap | window | rest, the first h ranks' runs and
         # the others' in turn (one run for a group of one rank).
         tokens = seq.group_bounds(None)[1]
@@ -353,17 +385,22 @@ def _bisection_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, 
         chunks, head = seq.pieces(cut, labels), seq.last[cut.doc]
         size = int(new[-1]) + 1 + int(split[-1])
         a, b = new[g], new[g] + 1  # the split groups' halves
-        first, count, budget = (t.new_zeros(size).index_copy_(0, new, t) for t in (first, count, budget))
-        first[b], count[b], budget[b] = first[a] + h, count[a] - h, budget[a] - used
+        first, count, budget, variant = (t.new_zeros(size).index_copy_(0, new, t)
+                                         for t in (first, count, budget, variant))
+        first[b], count[b], budget[b], variant[b] = first[a] + h, count[a] - h, budget[a] - used, variant[a]
         count[a], budget[a] = h, budget[b]
-    return Pieces(first[chunks.rank], chunks.doc, chunks.start, chunks.end)
+    plans = Pieces(first[chunks.rank], chunks.doc, chunks.start, chunks.end)
+    of_chunk = variant[chunks.rank]
+    return [plans.select(of_chunk == i) for i in range(m)]
 
 
 def _group_splits(seq: Sequence, rank_cu: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
-                  budget: torch.Tensor, slack: float, window: bool) -> tuple[torch.Tensor, ...]:
+                  budget: torch.Tensor, slack: float, window: torch.Tensor, variant: torch.Tensor
+                  ) -> tuple[torch.Tensor, ...]:
     """For every group of more than one rank: ``(group, h, tokens of its first h ranks, front
-    cut, window start, relative work error taken)`` of its best split (see :func:`_bisection_plan`;
-    without ``window``, the window is the back run)."""
+    cut, window start, relative work error taken)`` of its best split (see :func:`_bisection_plans`;
+    for a group without ``window``, the window is the back run). ``variant``: the plan each group
+    is part of (the groups of one plan share the scale of their tie-break)."""
     # Candidate splits: the first h ranks, h within the middle half (at most SPLIT_TRIES, evenly spaced).
     low = (count // 4).clamp(min=1)
     span = count - 2 * low
@@ -400,12 +437,13 @@ def _group_splits(seq: Sequence, rank_cu: torch.Tensor, first: torch.Tensor, cou
     valid = torch.cat([crosses, edges <= k[:, None], edges >= rest], 1)
     x = x.clamp(min=0).minimum(k[:, None])
     u = x + rest  # the back run: a window at the very end
-    if window:  # a big chunk's edge as the front cut and the window after it that meets the work
+    if bool(window.any()):  # a big chunk's edge as the front cut and the window after it that meets the work
         front = edges.clamp(min=0).minimum(k[:, None])
         k_, goal_, g_ = each(front)
         start = seq.solve(k_, goal_, front.flatten(), (front + rest).flatten(), g_, False, front.flatten())
         start = seq.snap(start, k_, goal_, slack, g_, front.flatten()).view(front.shape)
-        x, u, valid = torch.cat([x, front], 1), torch.cat([u, start], 1), torch.cat([valid, edges <= k[:, None]], 1)
+        x, u = torch.cat([x, front], 1), torch.cat([u, start], 1)
+        valid = torch.cat([valid, (edges <= k[:, None]) & window[g][:, None]], 1)
     k_, goal_, g_ = each(x)
     err = (seq.held(x.flatten(), k_, g_, u.flatten()) - goal_).view(x.shape).abs()
     rel = err / torch.minimum(goal, work1 - work0 - goal).clamp(min=1.0)[:, None]
@@ -413,7 +451,8 @@ def _group_splits(seq: Sequence, rank_cu: torch.Tensor, first: torch.Tensor, cou
     cut = base[:, None] + torch.cat([x, u, u + k[:, None] - x], 1)
     cost = seq.cut_cost(cut).view(x.shape[0], 3, -1).sum(1)
     # Per group: least KV (documents that could stay whole first), then the most even h, the least error.
-    key = torch.where(valid, cost, torch.inf) * (2 * int(count.max())) + rel.clamp(max=0.5)
+    widest = torch.zeros_like(count).scatter_reduce(0, variant, count, "amax")  # per plan
+    key = torch.where(valid, cost, torch.inf) * (2 * widest[variant[g]]).double()[:, None] + rel.clamp(max=0.5)
     key += (2 * h - count[g]).abs().double()[:, None]
     row_best, col = key.min(1)
     best = torch.full((count.numel(),), torch.inf, dtype=torch.float64).scatter_reduce(0, g, row_best, "amin")
@@ -503,6 +542,7 @@ class Sequence:
         self.cu_work = torch.cat([self.work.new_zeros(1), torch.cumsum(self.work, 0)]).double()
         self.total = int(self.cu[-1])
         self.total_work = float(self.cu_work[-1])
+        self.penalty = float(lengths.sum())  # of a cut that could be avoided: beyond any KV (one plan's tokens)
         sizes = torch.bincount(group, minlength=groups) if group is not None else doc.new_full((1,), doc.numel())
         self.group_chunks = torch.cat([sizes.new_zeros(1), torch.cumsum(sizes, 0)])  # chunk bounds of each group
         self.group_cu, self.group_cu_work = self.cu[self.group_chunks], self.cu_work[self.group_chunks]
@@ -568,7 +608,8 @@ class Sequence:
         """Front cut ``x`` in ``[lo, hi]`` whose held work is closest to ``goal`` (bisection; the
         held work grows with ``x`` as long as the front is denser than the back; where it falls
         instead, pass ``rising`` False); with ``front``, the start ``u`` of the window that goes
-        with that front cut instead."""
+        with that front cut instead. Rows are independent: a row's root is the same whatever
+        else is solved with it (solved rows stay put while others take more steps)."""
         rows = max(lo.numel(), 1)
         levels = max(1, min(SOLVE_LEVELS, (SOLVE_POINTS // rows + 1).bit_length() - 1))
         wide = [t.repeat_interleave((1 << levels) - 1) if isinstance(t, torch.Tensor) and t.dim() else t
@@ -593,12 +634,13 @@ class Sequence:
             below = (held(at.flatten(), *wide).view(at.shape) < goal_) == rising_
             node = torch.zeros_like(lo)
             for level in range(levels):
-                if level and not bool((lo < hi).any()):
+                live = lo < hi  # a solved row stays put: each row's root is its own bisection's
+                if level and not bool(live.any()):
                     break
                 step = below.gather(1, (node + (1 << level) - 1)[:, None]).squeeze(1)
                 mid = (lo + hi) // 2
-                lo = torch.where(step, mid + 1, lo)
-                hi = torch.where(step, hi, mid)
+                lo = torch.where(step & live, mid + 1, lo)
+                hi = torch.where(step | ~live, hi, mid)
                 node = 2 * node + step
         prev = torch.maximum(lo - 1, lo0)
         both = held(torch.cat([prev, lo]), *(torch.cat([t, t]) if isinstance(t, torch.Tensor) and t.dim() else t
@@ -642,7 +684,7 @@ class Sequence:
         i, o = self.locate(cut)
         inside = (o > 0) & (o < self.lengths[i])
         kv = (self.start[i] + self.lengths[i] - o).double()  # reversed chunks: the later part starts there
-        penalty = torch.where(self.whole_ok[i], float(self.total), 0.0)
+        penalty = torch.where(self.whole_ok[i], self.penalty, 0.0)
         return torch.where(inside, kv + penalty, 0.0)
 
     def pieces(self, cut: Pieces, ranks: torch.Tensor) -> Pieces:
