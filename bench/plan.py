@@ -12,7 +12,10 @@ Part 2, host cost at scale: one rank's ``plan`` + ``schedule(allgather)`` + ``sc
 {8, 64, 256, 1024}, and ``stats()``. Everything on one thread (``torch.set_num_threads(1)``):
 every rank repeats this host work every batch.
 
-Part 3, every mask: the balanced planner's worst imbalance under full, sliding-window and
+Part 3, small batches: the same host time at 8k and 32k tokens (fine-tuning batches) and N in
+{2, 4, 8, 16}, every mix, where planning is bound by per-call overhead rather than width.
+
+Part 4, every mask: the balanced planner's worst imbalance under full, sliding-window and
 chunked masks on the same mixes (the targets hold for every mask, not just causal).
 
     python bench/plan.py            # full run (the 16M-token rows take a few minutes)
@@ -42,6 +45,8 @@ WORLD_SIZES = (2, 4, 8, 16, 32, 64)
 SCALE_TOKENS = (131072, 1 << 20, 1 << 22, 1 << 24)
 SCALE_WORLD = (8, 64, 256, 1024)
 SCALE_MIX = "lognormal"
+SMALL_TOKENS = (8192, 32768)
+SMALL_WORLD = (2, 4, 8, 16)
 #: The clock host times are read from: wall time, or with --cpu-time this process's CPU time
 #: (one thread, so the same figure on a quiet machine, and robust on a loaded one).
 CLOCK = [time.perf_counter]
@@ -104,6 +109,18 @@ def scaling(tokens_list, world_sizes, repeats: int) -> dict[tuple[int, int, str]
     return times
 
 
+def small_batches(count: int, world_sizes, repeats: int) -> dict[tuple[int, int], dict[str, list[float]]]:
+    """Per (tokens, N): one rank's host seconds on every layout of every mix, per strategy."""
+    times = {}
+    for tokens in SMALL_TOKENS:
+        layouts = [DocLayout.from_lengths(lengths)
+                   for mix in MIXES for lengths in workloads.layouts(mix, tokens, count)]
+        for n in world_sizes:
+            times[(tokens, n)] = {s: [best_of(lambda layout=layout, n=n, s=s: one_rank(layout, n, s), repeats)
+                                      for layout in layouts] for s in NAMES}
+    return times
+
+
 def other_masks(count: int, world_sizes) -> dict[str, float]:
     """Worst balanced imbalance per mask over every mix, layout and N."""
     worst = {}
@@ -136,7 +153,8 @@ def ratio(kv: float, bound: float) -> str:
     return f"{kv / bound:.2f}" if bound > 0 else "n/a (bound 0)"
 
 
-def report(cells: dict[tuple[str, int], Cell], times: dict, masks: dict[str, float], args: argparse.Namespace) -> str:
+def report(cells: dict[tuple[str, int], Cell], times: dict, small: dict, masks: dict[str, float],
+           args: argparse.Namespace) -> str:
     per_mix = len(next(iter(cells.values())).bound)
     out = [
         "## Planner",
@@ -174,6 +192,13 @@ def report(cells: dict[tuple[str, int], Cell], times: dict, masks: dict[str, flo
     rows = [[f"{t:,}", n, *(ms(times[(t, n, s)]) if (t, n, s) in times else "-" for s in (*NAMES, "stats"))]
             for t in scale_tokens for n in scale_n if any((t, n, s) in times for s in (*NAMES, "stats"))]
     out.append(table(["tokens", "N", *NAMES, "stats() head_tail"], rows))
+    per_size = len(next(iter(small.values()))["balanced"]) if small else 0
+    out += ["", "### Host time on small batches (ms)",
+            f"One rank's plan + schedules + indices on {per_size} layouts (every mix) per size: fine-tuning "
+            "batches, where planning is bound by the per-call overhead of its vectorised work.", ""]
+    rows = [[f"{t:,}", n, ms(statistics.median(c["balanced"])), ms(max(c["balanced"])),
+             *(ms(max(c[s])) for s in NAMES[1:])] for (t, n), c in small.items()]
+    out.append(table(["tokens", "N", "balanced median", "balanced worst", *(f"{s} worst" for s in NAMES[1:])], rows))
     out += ["", "### Balance under other masks", "Worst max/mean work of `balanced` over every mix, layout and N "
             "above.", "", table(["mask", "worst imbalance"], [[m, f"{v:.4f}"] for m, v in masks.items()])]
     out += ["", "### Targets", "", targets(cells, times, masks)]
@@ -247,10 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         cells = {(mix, n): measure(workloads.layouts(mix, TOKENS, count), n, args.repeats)
                  for mix in MIXES for n in world_sizes}
         times = scaling(scale_tokens, scale_world, args.repeats)
+        small = small_batches(count // 2, (2, 8) if args.quick else SMALL_WORLD, args.repeats)
         masks = other_masks(1 if args.quick else count // 2, (3, 8) if args.quick else WORLD_SIZES)
     finally:
         torch.set_num_threads(threads)
-    print(report(cells, times, masks, args))
+    print(report(cells, times, small, masks, args))
     return 0
 
 
