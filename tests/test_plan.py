@@ -524,6 +524,20 @@ def test_balanced_fills_a_big_document_with_a_window():
     assert s.max_kv_fraction <= plan(layout, 4, strategy="contiguous").stats().max_kv_fraction + 0.05, s.kv_recv
 
 
+@pytest.mark.parametrize("pieces", [
+    ([0, 1], [0, 1], [0, 0], [4, 3]),  # token 4 of document 0 held by nobody
+    ([0, 1, 1], [0, 0, 1], [0, 4, 0], [5, 5, 3]),  # token 4 of document 0 held twice
+    ([0, 1], [0, 1], [0, 1], [6, 3]),  # a piece past its document's end (the totals still add up)
+], ids=["gap", "overlap", "past-end"])
+def test_plan_refuses_pieces_that_do_not_tile_the_stream(monkeypatch, pieces):
+    """The partition guard of :func:`plan` (stream offsets shared with the schedules) turns a
+    strategy bug into an error instead of a plan that drops or doubles tokens."""
+    from doccp.plan.pieces import Pieces
+    monkeypatch.setitem(STRATEGIES, "head_tail", lambda layout, n, mask: Pieces.of(*pieces))
+    with pytest.raises(RuntimeError, match="did not partition the stream"):
+        plan(DocLayout.from_lengths([5, 3]), 2, Mask.causal(), "head_tail")
+
+
 @SETTINGS
 @given(st.integers(3, 16).flatmap(lambda n: st.tuples(layouts(n), st.just(n), masks)))
 def test_bisection_plan_partitions_the_stream(case):
@@ -536,9 +550,8 @@ def test_bisection_plan_partitions_the_stream(case):
     if layout.num_tokens == 0:
         return
     for pieces in balanced._bisection_plans(layout, n, mask, _whole(layout, n, mask), BISECTIONS):
-        pieces = pieces.stream_normalized()
-        _check_partition(pieces, layout, "bisection")
-        p = Plan(layout, n, mask, "balanced", pieces)
+        p = Plan(layout, n, mask, "balanced", pieces.stream_normalized())
+        _check_partition(p)
         assert max(p.local_sizes) - min(p.local_sizes) <= 1
         assert owners(p).ge(0).all()
 

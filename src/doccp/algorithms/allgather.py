@@ -46,8 +46,8 @@ class AllGather(Algorithm):
         n, geo = plan.world_size, Geometry(plan, me)
         # Receive: my visible keys cut at the stream's pieces; the parts others hold arrive from
         # each peer in stream order, after my local rows.
-        i, j, g0, g1 = overlaps(geo.seen_g0, geo.seen_g1, geo.g0, geo.g1)
-        src, length = take(geo.stream.rank, j), g1 - g0
+        i, j, g0, g1 = overlaps(*geo.seen_bounds, *plan.stream_bounds)
+        src, length = take(plan.stream_pieces.rank, j), g1 - g0
         remote, own = torch.nonzero(src != me).squeeze(1), torch.nonzero(src == me).squeeze(1)
         src, remote_length = take(src, remote), take(length, remote)
         recv_sizes = torch.zeros(n, dtype=torch.int64).index_add_(0, src, remote_length)

@@ -28,7 +28,7 @@ from doccp.algorithms.registry import Algorithm, Call, Shapes, register
 from doccp.algorithms.schedule import Geometry
 from doccp.algorithms.work import accumulators, attend_into, take_rows
 from doccp.kernels.runs import Runs, Work, clip_to_others, keys_seen, work
-from doccp.kernels.slices import FIELDS, Slices, segment_pairs
+from doccp.kernels.slices import FIELDS, Slices, paired
 from doccp.plan import Plan
 from doccp.plan.exchange import overlaps
 from doccp.plan.pieces import Pieces
@@ -65,16 +65,18 @@ def ring_blocks(plan: Plan) -> tuple[Pieces, torch.Tensor, torch.Tensor]:
     head_end = torch.where(p.start > 0, torch.minimum(p.end, torch.maximum(before, p.start)), p.start)
     tail_start = torch.where(p.end < length, torch.maximum(p.start, torch.minimum(after, p.end)), p.end)
     joined = head_end >= tail_start
-    lo = torch.stack([p.start, torch.where(joined, p.end, tail_start)], 1)
-    hi = torch.stack([torch.where(joined, p.end, head_end), p.end], 1)
-    used = (hi > lo).any(0)  # where no piece has two parts (causal: they join), one column holds them all
-    if not bool(used.all()):
-        column = slice(1, 2) if bool(used[1]) else slice(0, 1)
-        lo, hi = lo[:, column], hi[:, column]
+    head = p.start, torch.where(joined, p.end, head_end)
+    tail = torch.where(joined, p.end, tail_start), p.end
+    used = [part for part in (head, tail) if bool((part[1] > part[0]).any())]
+    if len(used) == 2:  # a piece may have two parts: two entries per piece, in stream order
+        lo, hi = torch.stack([head[0], tail[0]], 1), torch.stack([head[1], tail[1]], 1)
+        rank, doc = (x[:, None].expand_as(lo).reshape(-1) for x in (p.rank, p.doc))
+    else:  # no piece has two parts (causal: they join): one entry per piece
+        (lo, hi), rank, doc = (used or [tail])[0], p.rank, p.doc
     row = plan.rank_offsets(hi - lo).reshape(-1)
-    rank, doc = (x[:, None].expand_as(lo).reshape(-1) for x in (p.rank, p.doc))
-    keep = index_of(hi.reshape(-1) > lo.reshape(-1))
-    blocks = Pieces(rank, doc, lo.reshape(-1), hi.reshape(-1)).select(keep)
+    lo, hi = lo.reshape(-1), hi.reshape(-1)
+    keep = index_of(hi > lo)
+    blocks = Pieces(rank, doc, lo, hi).select(keep)
     row = take(row, keep)
     sizes = torch.zeros(plan.world_size, dtype=torch.int64).index_add_(0, blocks.rank, blocks.length)
     _blocks_of[plan] = blocks, row, sizes
@@ -112,28 +114,25 @@ class RingKV(Algorithm):
     def schedule(self, plan: Plan, me: int) -> RingSchedule:
         n, geo = plan.world_size, Geometry(plan, me)
         blocks, block_row, sizes = ring_blocks(plan)
-        cu = plan.layout.cu_seqlens
-        block_base = take(cu, blocks.doc)
+        block_base = take(plan.layout.cu_seqlens, blocks.doc)
         b0, b1 = block_base + blocks.start, block_base + blocks.end
         mine = torch.nonzero(blocks.rank == me).squeeze(1)
         own_block_rows = geo.local_rows(take(b0, mine), take(blocks.length, mine))
-        # Step 0: my queries against my own rows. Steps 1..N-1 in one table: the parts of the other
-        # ranks' blocks my queries can see (in stream order, so by document), at their rows within
-        # their block; each slice then goes to the step its block's owner visits.
+        # Step 0: my queries against my own rows. Steps 1..N-1 in one table: the keys each local
+        # piece sees cut at the blocks (stream order: one binary search per piece), at their rows
+        # within their block, ordered by the step their block's owner visits (my own block's
+        # parts fall in step 0, which the home slices replace).
         q = geo.runs
         home = q.slices_against(q, plan.mask)
-        i, j, g0, g1 = overlaps(geo.seen_g0, geo.seen_g1, b0, b1)
-        src = take(blocks.rank, j)
-        keep = index_of(src != me)
-        j, g0, g1, src = (take(x, keep) for x in (j, g0, g1, src))
-        visiting, key = segment_pairs(q.doc, q.row, q.pos, q.length, take(blocks.doc, j),
-                                      take(block_row, j) + (g0 - take(b0, j)), g0 - take(block_base, j), g1 - g0,
-                                      plan.mask)
-        step = (me - take(src, key)) % n
-        order = torch.argsort(step.to(torch.int32), stable=True)
-        counts = torch.bincount(step, minlength=n).tolist()
-        columns = [torch.split(take(getattr(visiting, f), order), counts) for f in FIELDS]
-        steps = [Slices(*cols) for cols in zip(*columns, strict=True)]
+        i, j, g0, g1 = overlaps(*geo.visible_bounds(), b0, b1)
+        step = (me - take(blocks.rank, j)) % n
+        key_row, key_pos = take(block_row, j) + (g0 - take(b0, j)), g0 - take(geo.local_base, i)
+        order = torch.argsort(step.to(torch.int32), stable=True)  # gathers from big tables stay in stream order
+        i, key_row, key_pos, key_len, step = (take(x, order) for x in (i, key_row, key_pos, g1 - g0, step))
+        visiting, kept = paired(q.row, q.pos, q.length, i, key_row, key_pos, key_len, plan.mask)
+        counts = torch.bincount(take(step, kept), minlength=n).tolist()
+        steps = [Slices(*cols) for cols in zip(*(torch.split(getattr(visiting, f), counts) for f in FIELDS),
+                                               strict=True)]
         return RingSchedule(own_block_rows, sizes.tolist(), [home, *steps[1:]])
 
     def received_bytes(self, plan: Plan, shapes: Shapes) -> list[int]:

@@ -14,11 +14,14 @@ ranks or documents and no (receiver, sender) table.
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 
 from doccp.kernels.runs import Runs
 from doccp.plan import Plan
 from doccp.plan.exchange import visible_intervals
+from doccp.plan.pieces import Pieces
 from doccp.ranges import expand, take
 
 
@@ -29,21 +32,33 @@ def local_runs(plan: Plan, rank: int) -> Runs:
 
 
 class Geometry:
-    """Stream offsets of a plan's pieces and one rank's view of them (shared by the schedules)."""
+    """Stream offsets of a plan's pieces and one rank's view of them (shared by the schedules;
+    each schedule reads only what it needs, so the plan-wide parts are computed on first use)."""
 
     def __init__(self, plan: Plan, me: int):
-        cu = plan.layout.cu_seqlens
-        self.stream = s = plan.stream_pieces
-        base = take(cu, s.doc)
-        self.g0, self.g1 = base + s.start, base + s.end
+        self.plan = plan
         self.local = p = plan.rank_pieces(me)
-        base = take(cu, p.doc)
-        self.local_g0, self.local_g1 = base + p.start, base + p.end
+        self.local_base = take(plan.layout.cu_seqlens, p.doc)  # stream offset of each piece's document
+        self.local_g0, self.local_g1 = self.local_base + p.start, self.local_base + p.end
         self.local_row = torch.cumsum(p.length, 0) - p.length
         self.runs = Runs.laid_out(p.doc, p.start, p.length, rank=me)
-        self.seen = visible_intervals(p, plan.layout.lengths, plan.mask)  # what my queries see
-        base = take(cu, self.seen.doc)
-        self.seen_g0, self.seen_g1 = base + self.seen.start, base + self.seen.end
+
+    @cached_property
+    def seen(self) -> Pieces:
+        """The key intervals my queries see, merged per document."""
+        return visible_intervals(self.local, self.plan.layout.lengths, self.plan.mask)
+
+    @cached_property
+    def seen_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stream offsets ``[g0, g1)`` of :attr:`seen`."""
+        base = take(self.plan.layout.cu_seqlens, self.seen.doc)
+        return base + self.seen.start, base + self.seen.end
+
+    def visible_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stream offsets of the keys each local piece sees (its hull under the mask)."""
+        p = self.local
+        lo, hi = self.plan.mask.visible_keys(p.start, p.end, take(self.plan.layout.lengths, p.doc))
+        return self.local_base + lo, self.local_base + hi
 
     def local_rows(self, g0: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         """Local rows of the stream ranges ``[g0, g0 + length)`` (all held by this rank)."""

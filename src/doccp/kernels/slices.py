@@ -79,39 +79,43 @@ def pair_slices(q_doc: torch.Tensor, q_row: torch.Tensor, q_pos: torch.Tensor, q
     """Slices for every (query segment, key segment) pair of the same document that share at
     least one visible pair, trimmed to the rows and keys that can see each other.
 
-    A segment is ``(doc, first buffer row, first document position, length)``. Used by
-    every CP algorithm: all-gather pairs local pieces with gathered key ranges, the ring
-    pairs them with the visiting block's intervals.
+    A segment is ``(doc, first buffer row, first document position, length)``. The pairs are
+    found by a join on the document (binary searches into the key segments sorted by doc);
+    :func:`paired` trims them.
     """
-    return segment_pairs(q_doc, q_row, q_pos, q_len, k_doc, k_row, k_pos, k_len, mask)[0]
-
-
-def segment_pairs(q_doc: torch.Tensor, q_row: torch.Tensor, q_pos: torch.Tensor, q_len: torch.Tensor,
-                  k_doc: torch.Tensor, k_row: torch.Tensor, k_pos: torch.Tensor, k_len: torch.Tensor,
-                  mask: Mask) -> tuple[Slices, torch.Tensor]:
-    """:func:`pair_slices`, and the key segment (its index in the given order) of every slice: for
-    callers that keep a column per key segment (the ring: which rank's block the keys are in)."""
     if q_doc.numel() == 0 or k_doc.numel() == 0:
-        return Slices.empty(), torch.zeros(0, dtype=torch.int64)
+        return Slices.empty()
     order = None if bool((k_doc[1:] >= k_doc[:-1]).all()) else torch.argsort(k_doc, stable=True)
     k_doc, k_row, k_pos, k_len = (take(x, order) for x in (k_doc, k_row, k_pos, k_len))
     first = torch.searchsorted(k_doc, q_doc, right=False)
     count = torch.searchsorted(k_doc, q_doc, right=True) - first
     qi = repeat(torch.arange(q_doc.numel()), count)
     ki = expand(first, count)
-    qp0, kp0 = take(q_pos, qi), take(k_pos, ki)
-    qp1, kp1 = qp0 + take(q_len, qi), kp0 + take(k_len, ki)
-    # keys some query can see, and queries that can see some key (hulls: the kernels mask exactly)
+    return paired(q_row, q_pos, q_len, qi, take(k_row, ki), take(k_pos, ki), take(k_len, ki), mask)[0]
+
+
+def paired(q_row: torch.Tensor, q_pos: torch.Tensor, q_len: torch.Tensor, qi: torch.Tensor,
+           k_row: torch.Tensor, k_pos: torch.Tensor, k_len: torch.Tensor, mask: Mask
+           ) -> tuple[Slices, torch.Tensor | None]:
+    """The slice of query segment ``qi[e]`` against key segment ``e`` (one document's), for every
+    pair ``e``, trimmed to the rows and keys that can see each other (hulls: the kernels mask
+    exactly); pairs that share no visible pair are dropped. Returns the slices and the pairs
+    kept (an index into the pairs, or ``None`` for all), for callers that keep a column per pair
+    (the ring: which rank's block the keys are in).
+
+    Callers find the pairs their own way: :func:`pair_slices` by a join on the document, the ring
+    by overlapping each query piece's visible keys with the blocks."""
+    qp0 = take(q_pos, qi)
+    qp1, kp1 = qp0 + take(q_len, qi), k_pos + k_len
     lo, hi = mask.visible_keys(qp0, qp1, kp1)
-    lo = torch.maximum(lo, kp0)
+    lo = torch.maximum(lo, k_pos)
     qlo, qhi = mask.visible_queries(lo, hi, qp1)
     qlo, qhi = torch.maximum(qp0, qlo), torch.minimum(qp1, qhi)
-    keep = (hi > lo) & (qhi > qlo)
-    index = index_of(keep)
-    qi, ki, lo, hi, qlo, qhi = (take(t, index) for t in (qi, ki, lo, hi, qlo, qhi))
+    index = index_of((hi > lo) & (qhi > qlo))
+    qi, lo, hi, qlo, qhi = (take(t, index) for t in (qi, lo, hi, qlo, qhi))
     q0 = take(q_row, qi) + (qlo - take(q_pos, qi))
-    k0 = take(k_row, ki) + (lo - take(k_pos, ki))
-    return Slices(q0, q0 + (qhi - qlo), k0, k0 + (hi - lo), qlo, lo), take(order, ki) if order is not None else ki
+    k0 = take(k_row, index) + (lo - take(k_pos, index))
+    return Slices(q0, q0 + (qhi - qlo), k0, k0 + (hi - lo), qlo, lo), index
 
 
 def trim(slices: Slices, mask: BandMask) -> Slices:

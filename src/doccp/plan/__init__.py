@@ -63,14 +63,15 @@ def plan(layout: DocLayout, world_size: int, mask: Mask | None = None,
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
     pieces = STRATEGIES[strategy](layout, world_size, mask).stream_normalized()
-    _check_partition(pieces, layout, strategy)
-    return Plan(layout, world_size, mask, strategy, pieces)
+    result = Plan(layout, world_size, mask, strategy, pieces)
+    _check_partition(result)
+    return result
 
 
-def _check_partition(p: Pieces, layout: DocLayout, strategy: str) -> None:
+def _check_partition(plan: Plan) -> None:
     """Pieces in stream order must tile the stream exactly (O(pieces); guards the strategies)."""
-    base = take(layout.cu_seqlens, p.doc)
-    g0, g1 = base + p.start, base + p.end
+    p, layout, strategy = plan.stream_pieces, plan.layout, plan.strategy
+    g0, g1 = plan.stream_bounds
     ok = len(p) == 0 if layout.num_tokens == 0 else (
         int(g0[0]) == 0 and int(g1[-1]) == layout.num_tokens and bool((g0[1:] == g1[:-1]).all())
         and bool((p.end <= take(layout.lengths, p.doc)).all()))
@@ -156,6 +157,13 @@ class Plan:
         return self._ranks[rank]
 
     @cached_property
+    def stream_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stream offsets ``[g0, g1)`` of :attr:`stream_pieces` (they tile ``[0, num_tokens)``)."""
+        p = self.stream_pieces
+        base = take(self.layout.cu_seqlens, p.doc)
+        return base + p.start, base + p.end
+
+    @cached_property
     def all_pieces(self) -> Pieces:
         """Every rank's pieces, ordered by (rank, doc, start)."""
         return self.stream_pieces.select(self._rank_order)
@@ -230,7 +238,7 @@ class Plan:
     @cached_property
     def seen(self) -> Pieces:
         """Key intervals each rank's queries see, merged per (rank, doc), in rank order."""
-        return visible_intervals(self.all_pieces, self.layout.lengths, self.mask)
+        return visible_intervals(self.stream_pieces, self.layout.lengths, self.mask, order=self._rank_order)
 
     @cached_property
     def kv_received(self) -> list[int]:

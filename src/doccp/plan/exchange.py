@@ -45,23 +45,31 @@ class Intervals:
         return torch.zeros(world_size, dtype=torch.int64).index_add_(0, self.dst, self.length)
 
 
-def visible_intervals(pieces: Pieces, lengths: torch.Tensor, mask: Mask) -> Pieces:
+def visible_intervals(pieces: Pieces, lengths: torch.Tensor, mask: Mask, order: torch.Tensor | None = None
+                      ) -> Pieces:
     """Merged key intervals each (rank, doc) can see, as Pieces (rank, doc, lo, hi).
 
-    ``pieces`` must be ordered by (rank, doc, start) (one rank's pieces in stream order
-    qualify): a band's visible range grows with the piece, so the union of one (rank, doc)
-    group is a merge of neighbours, no sort. Where every range starts at key 0 (causal and
-    full masks), they all overlap and a group's union is ``[0, hi)`` of its last piece: one
-    filter for the groups' last pieces instead of the merge (the plan's hot path)."""
-    lo, hi = mask.visible_keys(pieces.start, pieces.end, take(lengths, pieces.doc))
-    if not bool((lo == 0).all()):
-        return Pieces(pieces.rank, pieces.doc, lo, hi).normalized_union()
-    n = len(pieces)
-    last = torch.ones(n, dtype=torch.bool)
-    last[:-1] = (pieces.rank[1:] != pieces.rank[:-1]) | (pieces.doc[1:] != pieces.doc[:-1])
-    last &= hi > 0  # empty pieces see nothing
-    index = index_of(last)
-    return Pieces(take(pieces.rank, index), take(pieces.doc, index), take(lo, index), take(hi, index))
+    ``pieces`` must be ordered by (rank, doc, start), or ``order`` must be the permutation that
+    orders them so (one rank's pieces in stream order qualify as they are): a band's visible
+    range grows with the piece, so the union of one (rank, doc) group is a merge of neighbours,
+    no sort. Where every range starts at key 0 (causal and full masks; the mask is a monotone
+    interval mask, so the last query tells), they all overlap and a group's union is ``[0, hi)``
+    of its last piece: one filter for the groups' last pieces, and only those are gathered in
+    order (the plan's hot path)."""
+    last_query = int(pieces.start.max()) if len(pieces) else 0
+    if int(mask.visible_keys(last_query, last_query + 1, last_query + 1)[0]) != 0:
+        p = pieces.select(order) if order is not None else pieces
+        lo, hi = mask.visible_keys(p.start, p.end, take(lengths, p.doc))
+        return Pieces(p.rank, p.doc, lo, hi).normalized_union()
+    rank, doc = take(pieces.rank, order), take(pieces.doc, order)
+    last = torch.ones(len(pieces), dtype=torch.bool)
+    last[:-1] = (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1])
+    index = torch.nonzero(last).squeeze(1)
+    rank, doc = take(rank, index), take(doc, index)
+    index = take(order, index) if order is not None else index
+    hi = mask.visible_keys(take(pieces.start, index), take(pieces.end, index), take(lengths, doc))[1]
+    seen = Pieces(rank, doc, torch.zeros_like(hi), hi)
+    return seen.select(hi > 0)  # empty pieces see nothing
 
 
 def overlaps(lo: torch.Tensor, hi: torch.Tensor, table_lo: torch.Tensor, table_hi: torch.Tensor
