@@ -6,6 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from doccp.plan.exchange import document_overlaps, overlaps
+from doccp.plan.pieces import Pieces
 from doccp.ranges import expand, offsets_within, repeat
 
 SETTINGS = settings(max_examples=200, deadline=None)
@@ -39,3 +41,30 @@ def test_offsets_within_counts_earlier_entries_of_the_same_group(entries):
     length = torch.tensor([n for _, n in entries], dtype=torch.int64)
     want = [sum(n for g2, n in entries[:i] if g2 == g) for i, (g, _) in enumerate(entries)]
     assert offsets_within(group, length).tolist() == want
+
+
+def _table(pieces):
+    """Disjoint pieces ``(doc, start, end)`` in stream order from (doc, gap, length) draws."""
+    out, cursor = [], {}
+    for doc, gap, length in sorted(pieces):
+        start = cursor.get(doc, 0) + gap
+        out.append((doc, start, start + length))
+        cursor[doc] = start + length
+    return out
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(1, 4)), max_size=8),
+       st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12), st.integers(0, 6)), max_size=8))
+def test_overlaps_find_every_intersection_in_query_then_table_order(table, queries):
+    table = _table(table)
+    want = [(i, j, max(lo, a), min(lo + n, b)) for i, (d, lo, n) in enumerate(queries)
+            for j, (e, a, b) in enumerate(table) if d == e and max(lo, a) < min(lo + n, b)]
+    doc, lo, n = (torch.tensor([q[k] for q in queries], dtype=torch.int64) for k in range(3))
+    t = Pieces(*(torch.tensor([x[k] for x in table], dtype=torch.int64) for k in (0, 0, 1, 2)))
+    rows = document_overlaps(doc, lo, lo + n, t, num_docs=4)
+    assert list(zip(*(c.tolist() for c in rows), strict=True)) == want
+    span = 100  # the same intervals as stream offsets (document d at d * span)
+    rows = overlaps(doc * span + lo, doc * span + lo + n, t.doc * span + t.start, t.doc * span + t.end)
+    shifted = [(i, j, s + queries[i][0] * span, e + queries[i][0] * span) for i, j, s, e in want]
+    assert list(zip(*(c.tolist() for c in rows), strict=True)) == shifted

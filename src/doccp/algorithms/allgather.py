@@ -23,7 +23,7 @@ from doccp.algorithms.work import take_rows
 from doccp.kernels.runs import Runs
 from doccp.kernels.slices import Slices
 from doccp.plan import Plan
-from doccp.plan.exchange import overlaps
+from doccp.plan.exchange import document_overlaps, overlaps
 from doccp.plan.pieces import Pieces
 from doccp.ranges import expand, offsets_within, take
 
@@ -61,10 +61,9 @@ class AllGather(Algorithm):
         seen = plan.seen  # rank order: mine are one run of it
         mine = torch.searchsorted(seen.rank, torch.tensor([me, me + 1])).tolist()
         others = Pieces(*(torch.cat([c[:mine[0]], c[mine[1]:]]) for c in (seen.rank, seen.doc, seen.start, seen.end)))
-        base = take(plan.layout.cu_seqlens, others.doc)
-        i, j, g0, g1 = overlaps(base + others.start, base + others.end, geo.local_g0, geo.local_g1)
-        dst, length = take(others.rank, i), g1 - g0
-        rows = expand(take(geo.local_row, j) + (g0 - take(geo.local_g0, j)), length)
+        i, j, lo, hi = document_overlaps(others.doc, others.start, others.end, geo.local, plan.layout.num_docs)
+        dst, length = take(others.rank, i), hi - lo
+        rows = expand(take(geo.local_row, j) + (lo - take(geo.local.start, j)), length)
         send_sizes = torch.zeros(n, dtype=torch.int64).index_add_(0, dst, length)
         send_rows = list(torch.split(rows, send_sizes.tolist()))
         arranged = Runs.laid_out(geo.seen.doc, geo.seen.start, geo.seen.length)

@@ -78,6 +78,24 @@ def overlaps(lo: torch.Tensor, hi: torch.Tensor, table_lo: torch.Tensor, table_h
     ``(i, j, start, end)`` rows, ordered by ``i`` then ``j``. O((queries + rows) log table)."""
     first = torch.searchsorted(table_hi, lo, right=True)
     count = (torch.searchsorted(table_lo, hi, right=False) - first).clamp(min=0)
+    return _clipped(lo, hi, table_lo, table_hi, first, count)
+
+
+def document_overlaps(doc: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, table: Pieces, num_docs: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`overlaps` for a table with few pieces per document (one rank's pieces, in stream
+    order), queries ``[lo, hi)`` of document ``doc``: each query's candidates are its document's
+    pieces, found by a gather from a per-document table rather than binary searches (many queries
+    in no useful order, e.g. every other rank's visible keys, make searches the cost)."""
+    count_of = torch.bincount(table.doc, minlength=num_docs)
+    first_of = torch.cumsum(count_of, 0) - count_of
+    return _clipped(lo, hi, table.start, table.end, take(first_of, doc), take(count_of, doc))
+
+
+def _clipped(lo: torch.Tensor, hi: torch.Tensor, table_lo: torch.Tensor, table_hi: torch.Tensor, first: torch.Tensor,
+             count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query ``i`` against table rows ``first[i] .. first[i] + count[i] - 1``: the non-empty
+    intersections as ``(i, j, start, end)``."""
     total = int(count.sum())
     i = repeat(torch.arange(lo.numel()), count, total)
     j = expand(first, count)
