@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from doccp.plan.exchange import document_overlaps, overlaps
 from doccp.plan.pieces import Pieces
-from doccp.ranges import expand, offsets_within, repeat
+from doccp.ranges import expand, offsets_within, repeat, stable_order
 
 SETTINGS = settings(max_examples=200, deadline=None)
 RUNS = st.lists(st.tuples(st.integers(-100, 100), st.integers(0, 4), st.integers(-3, 3)), max_size=10)
@@ -68,3 +68,11 @@ def test_overlaps_find_every_intersection_in_query_then_table_order(table, queri
     rows = overlaps(doc * span + lo, doc * span + lo + n, t.doc * span + t.start, t.doc * span + t.end)
     shifted = [(i, j, s + queries[i][0] * span, e + queries[i][0] * span) for i, j, s, e in want]
     assert list(zip(*(c.tolist() for c in rows), strict=True)) == shifted
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 2**16), max_size=30), st.sampled_from([None, 2**8, 2**15, 2**31]))
+def test_stable_order_is_a_stable_argsort_on_any_key_width(keys, bound):
+    keys = [k % bound for k in keys] if bound else keys
+    want = sorted(range(len(keys)), key=lambda i: keys[i])  # Python's sort is stable
+    assert stable_order(torch.tensor(keys, dtype=torch.int64), bound).tolist() == want

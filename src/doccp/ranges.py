@@ -38,13 +38,26 @@ def expand(first: torch.Tensor, counts: torch.Tensor, step: torch.Tensor | None 
     return take(first, index) + take(step, index) * (torch.arange(total) - take(offsets, index))
 
 
+def stable_order(keys: torch.Tensor, bound: int | None = None) -> torch.Tensor:
+    """``torch.argsort(keys, stable=True)`` for non-negative integer keys below ``bound`` (default:
+    their max + 1), sorted as the narrowest integer type that holds them: CPU sort time grows
+    with the key's width (rank and step keys as uint8 or int16 sort 2-4x faster than as int32)."""
+    if bound is None:
+        bound = int(keys.max()) + 1 if keys.numel() else 0
+    dtype = next(t for limit, t in _SORT_TYPES if bound <= limit)
+    return torch.argsort(keys.to(dtype), stable=True)
+
+
+_SORT_TYPES = ((2**8, torch.uint8), (2**15, torch.int16), (2**31, torch.int32), (2**63, torch.int64))
+
+
 def offsets_within(group: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
     """For each entry, the total ``length`` of the earlier entries (in the given order) of the
-    same ``group``: where it starts in its group's buffer when every group is packed in order.
-    One stable sort by group and one cumsum."""
+    same ``group`` (non-negative ids): where it starts in its group's buffer when every group is
+    packed in order. One stable sort by group and one cumsum."""
     if group.numel() == 0:
         return torch.zeros(0, dtype=torch.int64)
-    order = torch.argsort(group.to(torch.int32) if group.numel() < 2**31 else group, stable=True)
+    order = stable_order(group)
     g, n = take(group, order), take(length, order)
     before = torch.cumsum(n, 0) - n
     first = torch.ones_like(g, dtype=torch.bool)

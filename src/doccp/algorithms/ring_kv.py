@@ -32,7 +32,7 @@ from doccp.kernels.slices import FIELDS, Slices, paired
 from doccp.plan import Plan
 from doccp.plan.exchange import overlaps
 from doccp.plan.pieces import Pieces
-from doccp.ranges import index_of, take
+from doccp.ranges import index_of, stable_order, take
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class RingKV(Algorithm):
         i, j, g0, g1 = overlaps(*geo.visible_bounds(), b0, b1)
         step = (me - take(blocks.rank, j)) % n
         key_row, key_pos = take(block_row, j) + (g0 - take(b0, j)), g0 - take(geo.local_base, i)
-        order = torch.argsort(step.to(torch.int32), stable=True)  # gathers from big tables stay in stream order
+        order = stable_order(step, n)  # gathers from big tables stay in stream order
         i, key_row, key_pos, key_len, step = (take(x, order) for x in (i, key_row, key_pos, g1 - g0, step))
         visiting, kept = paired(q.row, q.pos, q.length, i, key_row, key_pos, key_len, plan.mask)
         counts = torch.bincount(take(step, kept), minlength=n).tolist()

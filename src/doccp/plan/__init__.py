@@ -24,7 +24,7 @@ from doccp.plan.balanced import balanced
 from doccp.plan.exchange import Intervals, kv_exchange, visible_intervals
 from doccp.plan.head_tail import head_tail
 from doccp.plan.pieces import Pieces, cut_stream, even_sizes
-from doccp.ranges import expand, repeat, take
+from doccp.ranges import expand, repeat, stable_order, take
 
 __all__ = ["Plan", "PlanStats", "plan", "STRATEGIES", "Pieces", "Intervals"]
 
@@ -170,7 +170,7 @@ class Plan:
 
     @cached_property
     def _rank_order(self) -> torch.Tensor:
-        return torch.argsort(self.stream_pieces.rank.to(torch.int32), stable=True)
+        return stable_order(self.stream_pieces.rank, self.world_size)
 
     def rank_offsets(self, sizes: torch.Tensor) -> torch.Tensor:
         """Where entries sit in per-rank buffers: ``sizes`` holds ``k`` entries per stream piece

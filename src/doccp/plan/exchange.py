@@ -18,7 +18,7 @@ import torch
 from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan.pieces import Pieces
-from doccp.ranges import expand, index_of, repeat, take
+from doccp.ranges import expand, index_of, repeat, stable_order, take
 
 
 @dataclass(frozen=True)
@@ -118,4 +118,4 @@ def kv_exchange(stream: Pieces, seen: Pieces, layout: DocLayout) -> Intervals:
     out = out.select(out.dst != out.src)
     ranks = int(torch.cat([stream.rank, torch.zeros(1, dtype=torch.int64)]).max()) + 1
     # Rows are ordered by (dst, doc, start); a stable sort by (dst, src) finishes the order.
-    return out.select(torch.argsort(out.dst * ranks + out.src, stable=True))
+    return out.select(stable_order(out.dst * ranks + out.src, ranks * ranks))
