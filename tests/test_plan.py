@@ -574,6 +574,71 @@ def test_bisection_variants_solved_together_are_each_alone(case):
                    for f in ("rank", "doc", "start", "end")), variant
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 9).flatmap(lambda n: st.tuples(layouts(n), st.just(n), masks)), st.randoms(use_true_random=False))
+def test_sequence_plans_solved_together_are_each_alone(case, rng):
+    """The search solves sequence plans ahead, several (chunking, pinned documents) in one pass as
+    groups of their own; each plan must be the one it gets alone, and a configuration whose pins
+    overfill a rank gives None without swaying the others."""
+    lengths, n, mask = case
+    layout = DocLayout.from_lengths(lengths)
+    if layout.num_tokens == 0:
+        return
+    whole, doc_work = _whole(layout, n, mask), mask.pairs(0, layout.lengths, 0, layout.lengths)
+    chunkings = [balanced.Chunking(c) for c in balanced.CHUNKS_PER_RANK] + [balanced.Chunking(0, 0.2)]
+    configs = []
+    for chunking in chunkings:
+        pinned = torch.full_like(layout.lengths, -1)
+        for d in range(layout.num_docs):
+            if rng.random() < 0.3:
+                pinned[d] = rng.randrange(n)
+        configs.append((chunking, pinned))
+    together = balanced._sequence_plans(layout, n, mask, configs, whole, doc_work)
+    for config, pieces in zip(configs, together, strict=True):
+        alone = balanced._sequence_plans(layout, n, mask, [config], whole, doc_work)[0]
+        assert (pieces is None) == (alone is None)
+        if pieces is not None:
+            assert all(torch.equal(getattr(pieces, f), getattr(alone, f)) for f in ("rank", "doc", "start", "end"))
+
+
+def test_grouped_sequence_charges_each_plan_its_own_penalty():
+    """A cut that could be avoided costs more than any KV of *its* plan: one plan's tokens, which
+    differ between the configurations of one pass (pinned documents leave the sequence)."""
+    layout = DocLayout.from_lengths([30, 30, 30])
+    mask, n = Mask.causal(), 2
+    whole = _whole(layout, n, mask)
+    assert bool(whole.all())
+    pinned_out = torch.tensor([0, 30, 30])  # the first document pinned: 30 tokens leave that sequence
+    seq = balanced.Sequence.of_layouts([(balanced.Chunking(0), layout.lengths), (balanced.Chunking(0), pinned_out)],
+                                       layout.lengths, mask, 45, whole)
+    base = seq.group_bounds(None)[0]
+    cost = seq.cut_cost(base + 1)  # one token into each group's first (densest, whole-able) chunk
+    kv = seq.start[seq.locate(base + 1)[0]] + seq.lengths[seq.locate(base + 1)[0]] - 1
+    assert cost.tolist() == (kv.double() + torch.tensor([90.0, 60.0])).tolist()
+
+
+def test_solving_ahead_never_changes_the_plan(monkeypatch):
+    """Small layouts solve the probes and the pinning passes ahead, in one pass per round, and the
+    search replays them; the plans must be the ones the search finds solving one at a time (the
+    README example, where the search runs long to keep its short documents whole, and small
+    batches of every mix)."""
+    from doccp.app import workloads
+    cases = [([300, 40, 1000, 7, 700], 4)] + [(workloads.layout(mix, 8192, i), n) for mix in workloads.MIXES
+                                               for i in range(2) for n in (2, 3, 5)]
+    widths = []
+    solve = balanced._sequence_plans
+    monkeypatch.setattr(balanced, "_sequence_plans", lambda *a: widths.append(len(a[3])) or solve(*a))
+    ahead = [plan(DocLayout.from_lengths(lengths), n, Mask.causal(), "balanced") for lengths, n in cases]
+    assert max(widths) > 4  # the lockstep passes ran
+    monkeypatch.setattr(balanced, "LOCKSTEP_CHUNKS", 0)
+    widths.clear()
+    for (lengths, n), p in zip(cases, ahead, strict=True):
+        alone = plan(DocLayout.from_lengths(lengths), n, Mask.causal(), "balanced")
+        assert all(torch.equal(getattr(p.stream_pieces, f), getattr(alone.stream_pieces, f))
+                   for f in ("rank", "doc", "start", "end")), (lengths, n)
+    assert max(widths) == 1
+
+
 def test_sequence_solve_rows_are_independent():
     """Each row's root is its own bisection's: the same whether solved alone or beside rows that take
     more steps, and never outside its bracket."""

@@ -49,7 +49,10 @@ max KV received, whole-able documents cut, spread) and the best one kept; a hand
 candidates, each O(chunks log chunks + N log T) vectorised host work (the bisection: O(log N)
 levels of it), no loop over documents or ranks. Small layouts are bound by the per-call overhead
 of that work, not its width, so every bisection variant is solved in one pass (each in rank
-groups of its own) the first time one is tried.
+groups of its own) the first time one is tried, and so are the sequence plans the search is
+about to try (each configuration a group of its own): the first probes together and, where the
+search is likely to run long, each pinning pass in lockstep (a round at a time for all its
+chains: a chain's round depends only on its own previous one), replayed in the search's order.
 """
 
 from __future__ import annotations
@@ -104,6 +107,12 @@ CHUNKS_PER_RANK = (0, 4, 16, 64, 256, 1024)
 #: than KV_HEAVY of one (each costs one or O(log N) more solves).
 KV_GOAL = 0.05
 KV_HEAVY = 0.25
+#: Where every chunking's sequence together holds at most this many chunks, the search solves ahead:
+#: the first probes in one pass, and a pinning pass in lockstep (every chain's rounds, a round at a
+#: time for all chains) where it is likely to run long. Such layouts are bound by the per-call
+#: overhead of the solves, not their width, so one pass of calls for all costs little more than
+#: one chain's; the search replays the results in its own order (the same plans).
+LOCKSTEP_CHUNKS = 1 << 18
 #: Relative work error the bisection planner's group splits may take in all (a rank's work is
 #: its group's share; what a split misses is spread over the group's ranks).
 BISECT_BUDGET = 0.006
@@ -171,58 +180,113 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
                   if (n <= WINDOW_RANKS if window else n > 2)  # two ranks, no window: the sequence plan
                   and (n <= LATE_HEAD_RANKS or not late)]
     bisected: dict[Chunking, Pieces] = {}
+    solved: dict[tuple, tuple | None] = {}  # (chunking, pinned) -> (pieces, score, cut), solved ahead
 
-    def solve(chunks: Chunking, pinned: torch.Tensor) -> Pieces | None:
-        if not chunks.bisect:
-            return _sequence_plan(layout, n, mask, chunks, whole, pinned, doc_work)
-        if not bisected:  # every bisection at once, on the first that is tried (see _bisection_plans)
-            bisected.update(zip(bisections, _bisection_plans(layout, n, mask, whole, bisections), strict=True))
-        return bisected[chunks]
+    def scored(pieces: Pieces | None) -> tuple | None:
+        return None if pieces is None else (pieces, *_score(pieces, layout, n, mask, whole))
+
+    def solve_ahead(configs: list[tuple[Chunking, torch.Tensor]]) -> None:
+        """Solve sequence plans in one pass (see :func:`_sequence_plans`) for :func:`solve` to take."""
+        plans = _sequence_plans(layout, n, mask, configs, whole, doc_work)
+        solved.update(((chunks, pinned.numpy().tobytes()), scored(pieces))
+                      for (chunks, pinned), pieces in zip(configs, plans, strict=True))
+
+    def solve(chunks: Chunking, pinned: torch.Tensor) -> tuple | None:
+        if chunks.bisect:
+            if not bisected:  # every bisection at once, on the first that is tried (see _bisection_plans)
+                bisected.update(zip(bisections, _bisection_plans(layout, n, mask, whole, bisections), strict=True))
+            return scored(bisected[chunks])
+        key = chunks, pinned.numpy().tobytes()
+        if key not in solved:
+            solve_ahead([(chunks, pinned)])
+        return solved.pop(key)
+
+    def in_lockstep(chains: list[Chunking], pin_to: str) -> None:
+        """Every round of one pinning pass's chains, a round at a time for all of them (a chain's
+        round depends only on its own previous one), for the search to replay in its order."""
+        pinned = {c: torch.full_like(lengths, -1) for c in chains}
+        solve_ahead([(c, pinned[c]) for c in chains if c not in unpinned])
+        result = {c: unpinned.get(c) or solved.get((c, pinned[c].numpy().tobytes())) for c in chains}
+        for round_ in range(PIN_ROUNDS):
+            chains = [c for c in chains if result[c] is not None and _pins_again(round_, *result[c][1:])]
+            for c in chains:
+                pinned[c] = _pin(pinned[c].clone(), result[c][0], result[c][2], pin_to, n)
+            solve_ahead([(c, pinned[c]) for c in chains])
+            result = {c: solved[c, pinned[c].numpy().tobytes()] for c in chains}
 
     def variants():
-        yield from ((c, PIN_TO[0], True) for c in chunkings[:2])
+        yield from ((c, PIN_TO[0], True, ()) for c in chunkings[:2])
         # Head-at-back layouts where a document cannot stay whole and the KV is above the goal.
         heavy = best_score is None or best_score[1] > kv_goal
         heads = [Chunking(0, h) for h in HEAD_BACK] if heavy and not bool(whole.all()) else []
-        yield from ((c, PIN_TO[0], True) for c in heads)
+        yield from ((c, PIN_TO[0], True, ()) for c in heads)
         # Recursive bisections where the KV is still above the goal (documents that fill groups of ranks).
         for chunks in bisections:
             if best_score[0] or best_score[1] > kv_goal:
-                yield chunks, PIN_TO[0], True
-        yield from ((c, pin_to, False) for pin_to in PIN_TO for c in [*chunkings, *heads])
+                yield chunks, PIN_TO[0], True, ()
+        yield from ((c, pin_to, False, (*chunkings, *heads)) for pin_to in PIN_TO for c in [*chunkings, *heads])
 
     unpinned: dict[Chunking, tuple] = {}
-    for chunks, pin_to, probe in variants():
+    passes = set()
+    ahead = _most_chunks(lengths, whole, rank_tokens) * (len(chunkings) + len(HEAD_BACK)) <= LOCKSTEP_CHUNKS
+    if ahead:  # the first probes in one pass, the head-at-back ones ahead
+        solve_ahead([(c, torch.full_like(lengths, -1)) for c in
+                     [*chunkings[:2], *([Chunking(0, h) for h in HEAD_BACK] if not bool(whole.all()) else [])]])
+    for chunks, pin_to, probe, chains in variants():
+        # A pinning pass on a small layout with a long search ahead (few cut documents: a larger
+        # budget; or no balanced plan yet) is solved in lockstep, then replayed in order below.
+        if chains and pin_to not in passes and ahead and (
+                best_score is None or best_score[0] or 0 < best_score[2] <= FEW_CUTS):
+            passes.add(pin_to)
+            in_lockstep(list(chains), pin_to)
         pinned = torch.full_like(lengths, -1)
         for round_ in range(PIN_ROUNDS + 1):
             if round_ == 0 and chunks in unpinned:
-                pieces, score, cut = unpinned[chunks]
+                result = unpinned[chunks]
             else:
-                pieces = solve(chunks, pinned)
+                result = solve(chunks, pinned)
                 attempts += not (probe and (chunks.head_back or chunks.bisect))  # on top of the budget
-                if pieces is None:
+                if result is None:
                     break
-                score, cut = _score(pieces, layout, n, mask, whole)
                 if round_ == 0:
-                    unpinned[chunks] = pieces, score, cut
+                    unpinned[chunks] = result
+            pieces, score, cut = result
             if best_score is None or _better(score, best_score):
                 best, best_score = pieces, score
-            if probe or (round_ == 0 and score[0]) or not bool(cut.any()) or _done(best_score, attempts):
+            if probe or not _pins_again(round_, score, cut) or _done(best_score, attempts):
                 break
-            # Pin every cut document that could stay whole to one rank (see PIN_TO); solve again.
-            part = pieces.select(cut)
-            if pin_to == "most":
-                most = torch.zeros_like(lengths).scatter_reduce(0, part.doc, part.length, "amax", include_self=True)
-                owner = part.select(part.length == most[part.doc])
-                pinned[owner.doc] = owner.rank
-            elif pin_to == "first":
-                first = torch.full_like(lengths, n).scatter_reduce(0, part.doc, part.rank, "amin", include_self=True)
-                pinned[part.doc] = first[part.doc]
-            else:
-                pinned[part.doc] = 0
+            pinned = _pin(pinned, pieces, cut, pin_to, n)
         if not probe and best_score is not None and _done(best_score, attempts):
             break
     return best
+
+
+def _most_chunks(lengths: torch.Tensor, whole: torch.Tensor, rank_tokens: int) -> int:
+    """Chunks of a sequence under the finest :data:`CHUNKS_PER_RANK` (more than under any other
+    chunking): documents that can stay whole are one chunk each, the others are cut finely."""
+    size = max(rank_tokens // max(CHUNKS_PER_RANK), 1)
+    return int(whole.sum()) + int((-(-lengths[~whole] // size)).sum())
+
+
+def _pins_again(round_: int, score: tuple[bool, int, int, float], cut: torch.Tensor) -> bool:
+    """Whether a pinning chain solves again after this round: it cut a document that could stay
+    whole (and, in its first round, balanced)."""
+    return round_ < PIN_ROUNDS and not (round_ == 0 and score[0]) and bool(cut.any())
+
+
+def _pin(pinned: torch.Tensor, pieces: Pieces, cut: torch.Tensor, pin_to: str, n: int) -> torch.Tensor:
+    """``pinned`` with every cut document that could stay whole pinned to one rank (see PIN_TO)."""
+    part = pieces.select(cut)
+    if pin_to == "most":
+        most = torch.zeros_like(pinned).scatter_reduce(0, part.doc, part.length, "amax", include_self=True)
+        owner = part.select(part.length == most[part.doc])
+        pinned[owner.doc] = owner.rank
+    elif pin_to == "first":
+        first = torch.full_like(pinned, n).scatter_reduce(0, part.doc, part.rank, "amin", include_self=True)
+        pinned[part.doc] = first[part.doc]
+    else:
+        pinned[part.doc] = 0
+    return pinned
 
 
 def _score(pieces: Pieces, layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor
@@ -259,31 +323,65 @@ def _done(score: tuple[bool, int, int, float], attempts: int) -> bool:
 
 def _sequence_plan(layout: DocLayout, n: int, mask: Mask, chunking: Chunking, whole: torch.Tensor,
                    pinned: torch.Tensor, doc_work: torch.Tensor) -> Pieces | None:
-    """The plan of the module docstring; documents ``pinned`` to a rank (>= 0) are that rank's,
-    whole, and the sequence shares out the rest (None when the pinned ones overfill a rank)."""
+    """One sequence plan (see :func:`_sequence_plans`)."""
+    return _sequence_plans(layout, n, mask, [(chunking, pinned)], whole, doc_work)[0]
+
+
+def _sequence_plans(layout: DocLayout, n: int, mask: Mask, configs: list[tuple[Chunking, torch.Tensor]],
+                    whole: torch.Tensor, doc_work: torch.Tensor) -> list[Pieces | None]:
+    """The plan of the module docstring for each ``(chunking, pinned)``: documents ``pinned`` to a
+    rank (>= 0) are that rank's, whole, and the sequence shares out the rest (None when the pinned
+    ones overfill a rank).
+
+    Several configurations are solved in one pass, each as a group of a sequence of its own
+    (rows never interact), so they cost one round of vectorised calls: small layouts are bound by
+    the per-call overhead of that work, and each plan is the one it gets alone."""
     lengths = layout.lengths
-    held = pinned >= 0
-    pins = Pieces.of(pinned[held], torch.nonzero(held).flatten(), 0, lengths[held])
-    tokens = even_sizes(layout.num_tokens, n) - torch.zeros(n, dtype=torch.int64).index_add_(0, pins.rank, pins.length)
-    if bool((tokens < 0).any()):
-        return None
-    need = float(doc_work.sum()) / n - torch.zeros(n, dtype=torch.float64).index_add_(
-        0, pins.rank, doc_work[held].double())
-    seq = Sequence.of_layout(torch.where(held, 0, lengths), mask, -(-layout.num_tokens // n), whole, chunking)
-    total = seq.total
-    k = torch.cumsum(tokens, 0)[:-1]  # tokens of ranks 0..r, r < N - 1
-    goal = torch.cumsum(need, 0)[:-1]
-    x = seq.solve(k, goal, torch.zeros_like(k), k.clone())
     mean = float(doc_work.sum()) / n
+    plans: list[Pieces | None] = [None] * len(configs)
+    live, pins, tokens, need, chunkings = [], [], [], [], []
+    for i, (chunking, pinned) in enumerate(configs):
+        held = pinned >= 0
+        p = Pieces.of(pinned[held], torch.nonzero(held).flatten(), 0, lengths[held])
+        t = even_sizes(layout.num_tokens, n) - torch.zeros(n, dtype=torch.int64).index_add_(0, p.rank, p.length)
+        if bool((t < 0).any()):
+            continue
+        rest = torch.where(held, 0, lengths)
+        if not bool(rest.any()):  # every token pinned (then every rank's share is pinned exactly)
+            plans[i] = p
+            continue
+        live.append(i)
+        pins.append(p)
+        tokens.append(t)
+        need.append(mean - torch.zeros(n, dtype=torch.float64).index_add_(0, p.rank, doc_work[held].double()))
+        chunkings.append((chunking, rest))
+    if not live:
+        return plans
+    m = len(live)
+    seq = Sequence.of_layouts(chunkings, lengths, mask, -(-layout.num_tokens // n), whole)
+    tokens, need = torch.stack(tokens), torch.stack(need)
+    k = torch.cumsum(tokens, 1)[:, :-1].flatten()  # per plan, tokens of ranks 0..r, r < N - 1
+    goal = torch.cumsum(need, 1)[:, :-1].flatten()
+    g = torch.arange(m).repeat_interleave(n - 1)
+    x = seq.solve(k, goal, torch.zeros_like(k), k.clone(), g)
     # Snapping moves cuts within the slack, but may push one past its neighbour; then the
-    # unsnapped cuts are kept.
-    snapped = _monotone(seq, seq.snap(x, k, goal, SNAP_SLACK * mean), k, goal)
-    x = snapped if _excess(seq, snapped, k, need) <= SNAP_BUDGET * mean else _monotone(seq, x, k, goal)
+    # unsnapped cuts are kept (per plan).
+    snapped = _monotone(seq, seq.snap(x, k, goal, SNAP_SLACK * mean, g), k, goal, g)
+    keep = _excess(seq, snapped, k, need, g) <= SNAP_BUDGET * mean
+    if not bool(keep.all()):
+        snapped = torch.where(keep[g], snapped, _monotone(seq, x, k, goal, g))
+    x, k = snapped.view(m, n - 1), k.view(m, n - 1)
+    total = seq.group_bounds(None)[1][:, None]
     y = x + total - k
-    sizes = torch.cat([torch.diff(x, prepend=x.new_zeros(1)), (y[-1:] - x[-1:]),
-                       torch.diff(y.flip(0), append=y.new_full((1,), total))])
+    zero = x.new_zeros(m, 1)
+    sizes = torch.cat([torch.diff(x, prepend=zero), y[:, -1:] - x[:, -1:], torch.diff(y.flip(1), append=total)], 1)
     ranks = torch.cat([torch.arange(n - 1), torch.tensor([n - 1]), torch.arange(n - 2, -1, -1)])
-    return Pieces.cat([seq.pieces(cut_stream(seq.cu, sizes), ranks), pins])
+    cut = cut_stream(seq.cu, sizes.flatten())
+    of_plan = cut.rank // (2 * n - 1)
+    pieces = seq.pieces(cut, ranks.repeat(m))
+    for i, (at, p) in enumerate(zip(live, pins, strict=True)):
+        plans[at] = Pieces.cat([pieces.select(of_plan == i) if m > 1 else pieces, p])
+    return plans
 
 
 def _bisection_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, head_back: float = 0.0,
@@ -481,30 +579,63 @@ def _column(v: torch.Tensor | int) -> torch.Tensor:
     return torch.as_tensor(v).reshape(-1, 1)
 
 
-def _excess(seq: Sequence, x: torch.Tensor, k: torch.Tensor, need: torch.Tensor) -> float:
-    """Most work any rank holds beyond its need, for front cuts ``x``."""
-    held = torch.cat([x.new_zeros(1, dtype=torch.float64), seq.held(x, k),
-                      torch.tensor([seq.total_work], dtype=torch.float64)])
-    return float((torch.diff(held) - need).max())
+def _excess(seq: Sequence, x: torch.Tensor, k: torch.Tensor, need: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Most work any rank holds beyond its need, for front cuts ``x`` of plans ``g`` (rows of
+    ``N - 1`` ranks per plan, ``need`` ``[plans, N]``): one figure per plan."""
+    work0, work1 = seq.group_bounds(None)[2:]
+    held = seq.held(x, k, g).view(need.shape[0], -1)
+    held = torch.cat([held.new_zeros(held.shape[0], 1), held, (work1 - work0)[:, None]], 1)
+    return (torch.diff(held, dim=1) - need).max(1).values
 
 
-def _monotone(seq: Sequence, x: torch.Tensor, k: torch.Tensor, goal: torch.Tensor) -> torch.Tensor:
+def _monotone(seq: Sequence, x: torch.Tensor, k: torch.Tensor, goal: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """Cuts whose front and back runs all have non-negative length (``x`` and ``k - x`` never
-    decrease). The held work need not grow with ``x``, so the bisection may pick a root behind
-    the previous rank's; those ranks solve again inside the window the previous cut leaves,
-    a few rounds (each settles at least the first offender), then whatever is left is clamped
-    (a plan that loses its balance that way scores as unbalanced and another one is kept)."""
-    tokens = torch.diff(k, prepend=k.new_zeros(1))
+    decrease within a plan ``g``; rows of the same number of ranks per plan). The held work need
+    not grow with ``x``, so the bisection may pick a root behind the previous rank's; those ranks
+    solve again inside the window the previous cut leaves, a few rounds (each settles at least
+    the first offender), then whatever is left is clamped (a plan that loses its balance that way
+    scores as unbalanced and another one is kept)."""
+    plans = int(g[-1]) + 1
+    kk = k.view(plans, -1)
+    tokens = torch.diff(kk, dim=1, prepend=kk.new_zeros(plans, 1)).flatten()
     for _ in range(MONOTONE_ROUNDS):
-        lo = torch.cat([x.new_zeros(1), x[:-1]])
+        xx = x.view(plans, -1)
+        lo = torch.cat([xx.new_zeros(plans, 1), xx[:, :-1]], 1).flatten()
         bad = (x < lo) | (x > lo + tokens)
         if not bool(bad.any()):
             return x
-        x = torch.where(bad, seq.solve(k, goal, lo, lo + tokens), x)
-    x = torch.cummax(x, 0).values
-    x = torch.cummin(x - k, 0).values + k
+        x = torch.where(bad, seq.solve(k, goal, lo, lo + tokens, g), x)
+    # Within each plan (the clamps leave a plan without offenders as it is):
+    xx = torch.cummax(x.view(plans, -1), 1).values
+    xx = torch.cummin(xx - kk, 1).values + kk
     # The two clamps can undo each other; runs of length in [0, tokens] by construction:
-    return torch.cumsum(torch.diff(x, prepend=x.new_zeros(1)).clamp(min=0).minimum(tokens), 0)
+    steps = torch.diff(xx, dim=1, prepend=xx.new_zeros(plans, 1)).clamp(min=0).minimum(tokens.view(plans, -1))
+    return torch.cumsum(steps, 1).flatten()
+
+
+def _chunks(lengths: torch.Tensor, rank_tokens: int, whole: torch.Tensor, chunking: Chunking
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(doc, start, end, head)`` of every chunk of the documents as ``chunking`` lays them out
+    (``head``: the chunks that go last, None without ``head_back``)."""
+    chunks_per_rank, head_back = chunking.per_rank, chunking.head_back
+    if head_back:  # tail and head: the split document's chunk k = 0 starts at head_back * L
+        one, count = whole, torch.where(whole, (lengths > 0).long(), 2)
+    else:
+        size = max(rank_tokens // chunks_per_rank, 1) if chunks_per_rank else max(int(lengths.max()), 1)
+        one = whole | (lengths <= size)  # documents laid out as one chunk
+        count = torch.where(one, (lengths > 0).long(), -(-lengths // size))
+    doc = repeat(torch.arange(lengths.numel()), count)
+    from_end = expand(torch.zeros_like(count), count)  # chunk k of a document, from its end
+    doc_len = lengths[doc]
+    if head_back:
+        split = (doc_len * head_back).long()
+        end = torch.where(one[doc] | (from_end == 0), doc_len, split)
+        start = torch.where(one[doc] | (from_end > 0), 0, split)
+    else:  # chunk k ends at L - k * size (the short remainder is the head)
+        end = torch.where(one[doc], doc_len, doc_len - from_end * size)
+        start = torch.where(one[doc], 0, (end - size).clamp(min=0))
+    heads = (~one[doc] & (from_end > 0)) if head_back else None  # heads last
+    return doc, start, end, heads
 
 
 class Sequence:
@@ -524,9 +655,10 @@ class Sequence:
 
     def __init__(self, doc: torch.Tensor, start: torch.Tensor, end: torch.Tensor, lengths: torch.Tensor,
                  whole: torch.Tensor, mask: Mask, last: torch.Tensor | None = None,
-                 group: torch.Tensor | None = None, groups: int = 1):
+                 group: torch.Tensor | None = None, groups: int = 1, penalty: torch.Tensor | None = None):
         """Chunks ``[start, end)`` of documents ``doc``, ordered by ``group``, then ``last``
-        (False first), then density (work per token) descending."""
+        (False first), then density (work per token) descending. ``penalty``: per group, the cost
+        of a cut that could be avoided, beyond any KV (default: one plan's tokens)."""
         self.mask = mask
         doc_len = lengths[doc]
         work = mask.pairs(start, end, 0, doc_len)
@@ -542,7 +674,9 @@ class Sequence:
         self.cu_work = torch.cat([self.work.new_zeros(1), torch.cumsum(self.work, 0)]).double()
         self.total = int(self.cu[-1])
         self.total_work = float(self.cu_work[-1])
-        self.penalty = float(lengths.sum())  # of a cut that could be avoided: beyond any KV (one plan's tokens)
+        if penalty is None:
+            penalty = torch.full((groups,), float(lengths.sum()), dtype=torch.float64)
+        self.penalty = penalty[group[order]] if group is not None else penalty.expand(order.numel())  # per chunk
         sizes = torch.bincount(group, minlength=groups) if group is not None else doc.new_full((1,), doc.numel())
         self.group_chunks = torch.cat([sizes.new_zeros(1), torch.cumsum(sizes, 0)])  # chunk bounds of each group
         self.group_cu, self.group_cu_work = self.cu[self.group_chunks], self.cu_work[self.group_chunks]
@@ -551,25 +685,22 @@ class Sequence:
     def of_layout(cls, lengths: torch.Tensor, mask: Mask, rank_tokens: int, whole: torch.Tensor,
                   chunking: Chunking) -> Sequence:
         """Every document's chunks as the :class:`Chunking` lays them out (one group)."""
-        chunks_per_rank, head_back = chunking.per_rank, chunking.head_back
-        if head_back:  # tail and head: the split document's chunk k = 0 starts at head_back * L
-            one, count = whole, torch.where(whole, (lengths > 0).long(), 2)
-        else:
-            size = max(rank_tokens // chunks_per_rank, 1) if chunks_per_rank else max(int(lengths.max()), 1)
-            one = whole | (lengths <= size)  # documents laid out as one chunk
-            count = torch.where(one, (lengths > 0).long(), -(-lengths // size))
-        doc = repeat(torch.arange(lengths.numel()), count)
-        from_end = expand(torch.zeros_like(count), count)  # chunk k of a document, from its end
-        doc_len = lengths[doc]
-        if head_back:
-            split = (doc_len * head_back).long()
-            end = torch.where(one[doc] | (from_end == 0), doc_len, split)
-            start = torch.where(one[doc] | (from_end > 0), 0, split)
-        else:  # chunk k ends at L - k * size (the short remainder is the head)
-            end = torch.where(one[doc], doc_len, doc_len - from_end * size)
-            start = torch.where(one[doc], 0, (end - size).clamp(min=0))
-        heads = (~one[doc] & (from_end > 0)) if head_back else None  # heads last
-        return cls(doc, start, end, lengths, whole, mask, last=heads)
+        return cls.of_layouts([(chunking, lengths)], lengths, mask, rank_tokens, whole)
+
+    @classmethod
+    def of_layouts(cls, layouts: list[tuple[Chunking, torch.Tensor]], lengths: torch.Tensor, mask: Mask,
+                   rank_tokens: int, whole: torch.Tensor) -> Sequence:
+        """One group per ``(chunking, doc_lengths)``: the documents of ``doc_lengths`` (the layout's
+        ``lengths``, with 0 for documents left out) in chunks as the :class:`Chunking` lays them out."""
+        columns = [_chunks(doc_lengths, rank_tokens, whole, chunking) for chunking, doc_lengths in layouts]
+        doc, start, end = (torch.cat([c[i] for c in columns]) for i in range(3))
+        heads = [c[3] for c in columns]
+        last = (torch.cat([h if h is not None else torch.zeros(c[0].numel(), dtype=torch.bool)
+                           for h, c in zip(heads, columns, strict=True)])
+                if any(h is not None for h in heads) else None)
+        group = repeat(torch.arange(len(columns)), torch.tensor([c[0].numel() for c in columns]))
+        penalty = torch.tensor([float(doc_lengths.sum()) for _, doc_lengths in layouts], dtype=torch.float64)
+        return cls(doc, start, end, lengths, whole, mask, last=last, group=group, groups=len(columns), penalty=penalty)
 
     def _bounds(self, g: torch.Tensor | None) -> tuple:
         """:meth:`group_bounds` of ``g``; None: the whole sequence as one group (scalars)."""
@@ -684,7 +815,7 @@ class Sequence:
         i, o = self.locate(cut)
         inside = (o > 0) & (o < self.lengths[i])
         kv = (self.start[i] + self.lengths[i] - o).double()  # reversed chunks: the later part starts there
-        penalty = torch.where(self.whole_ok[i], self.penalty, 0.0)
+        penalty = torch.where(self.whole_ok[i], self.penalty[i], 0.0)
         return torch.where(inside, kv + penalty, 0.0)
 
     def pieces(self, cut: Pieces, ranks: torch.Tensor) -> Pieces:
