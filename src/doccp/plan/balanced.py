@@ -107,11 +107,11 @@ CHUNKS_PER_RANK = (0, 4, 16, 64, 256, 1024)
 #: than KV_HEAVY of one (each costs one or O(log N) more solves).
 KV_GOAL = 0.05
 KV_HEAVY = 0.25
-#: Where every chunking's sequence together holds at most this many chunks, the search solves ahead:
-#: the first probes in one pass, and a pinning pass in lockstep (every chain's rounds, a round at a
-#: time for all chains) where it is likely to run long. Such layouts are bound by the per-call
-#: overhead of the solves, not their width, so one pass of calls for all costs little more than
-#: one chain's; the search replays the results in its own order (the same plans).
+#: Where the sequences of the plans solved together hold at most this many chunks (and few ranks),
+#: the search solves ahead: the first probes in one pass, and a pinning pass in lockstep (every
+#: chain's rounds, a round at a time for all chains) where it is likely to run long. Such layouts are
+#: bound by the per-call overhead of the solves, not their width, so one pass of calls for all costs
+#: little more than one chain's; the search replays the results in its own order (the same plans).
 LOCKSTEP_CHUNKS = 1 << 18
 #: Relative work error the bisection planner's group splits may take in all (a rank's work is
 #: its group's share; what a split misses is spread over the group's ranks).
@@ -228,14 +228,21 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
 
     unpinned: dict[Chunking, tuple] = {}
     passes = set()
-    ahead = _most_chunks(lengths, whole, rank_tokens) * (len(chunkings) + len(HEAD_BACK)) <= LOCKSTEP_CHUNKS
-    if ahead:  # the first probes in one pass, the head-at-back ones ahead
-        solve_ahead([(c, torch.full_like(lengths, -1)) for c in
-                     [*chunkings[:2], *([Chunking(0, h) for h in HEAD_BACK] if not bool(whole.all()) else [])]])
+    most_chunks = _most_chunks(lengths, whole, rank_tokens)
+
+    def ahead(plans: int, depth: int = SOLVE_LEVELS) -> bool:
+        """Whether solving ``plans`` sequence plans in one pass stays overhead-bound: few chunks, and
+        few enough rows that :meth:`Sequence.solve` keeps ``depth`` bisection steps per call."""
+        return plans * most_chunks <= LOCKSTEP_CHUNKS and (plans * (n - 1) << depth) <= SOLVE_POINTS
+
+    probes = [*chunkings[:2], *([Chunking(0, h) for h in HEAD_BACK] if not bool(whole.all()) else [])]
+    if ahead(len(probes)):  # the first probes in one pass, the head-at-back ones ahead
+        solve_ahead([(c, torch.full_like(lengths, -1)) for c in probes])
     for chunks, pin_to, probe, chains in variants():
         # A pinning pass on a small layout with a long search ahead (few cut documents: a larger
-        # budget; or no balanced plan yet) is solved in lockstep, then replayed in order below.
-        if chains and pin_to not in passes and ahead and (
+        # budget; or no balanced plan yet) is solved in lockstep, then replayed in order below (it
+        # stands for several solves per chain, so it pays even a step shallower than the probes).
+        if chains and pin_to not in passes and ahead(len(chains), SOLVE_LEVELS - 1) and (
                 best_score is None or best_score[0] or 0 < best_score[2] <= FEW_CUTS):
             passes.add(pin_to)
             in_lockstep(list(chains), pin_to)
@@ -362,14 +369,14 @@ def _sequence_plans(layout: DocLayout, n: int, mask: Mask, configs: list[tuple[C
     tokens, need = torch.stack(tokens), torch.stack(need)
     k = torch.cumsum(tokens, 1)[:, :-1].flatten()  # per plan, tokens of ranks 0..r, r < N - 1
     goal = torch.cumsum(need, 1)[:, :-1].flatten()
-    g = torch.arange(m).repeat_interleave(n - 1)
+    g = torch.arange(m).repeat_interleave(n - 1) if m > 1 else None  # one plan: the whole sequence
     x = seq.solve(k, goal, torch.zeros_like(k), k.clone(), g)
     # Snapping moves cuts within the slack, but may push one past its neighbour; then the
     # unsnapped cuts are kept (per plan).
     snapped = _monotone(seq, seq.snap(x, k, goal, SNAP_SLACK * mean, g), k, goal, g)
     keep = _excess(seq, snapped, k, need, g) <= SNAP_BUDGET * mean
     if not bool(keep.all()):
-        snapped = torch.where(keep[g], snapped, _monotone(seq, x, k, goal, g))
+        snapped = torch.where(keep.repeat_interleave(n - 1), snapped, _monotone(seq, x, k, goal, g))
     x, k = snapped.view(m, n - 1), k.view(m, n - 1)
     total = seq.group_bounds(None)[1][:, None]
     y = x + total - k
@@ -579,7 +586,8 @@ def _column(v: torch.Tensor | int) -> torch.Tensor:
     return torch.as_tensor(v).reshape(-1, 1)
 
 
-def _excess(seq: Sequence, x: torch.Tensor, k: torch.Tensor, need: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _excess(seq: Sequence, x: torch.Tensor, k: torch.Tensor, need: torch.Tensor, g: torch.Tensor | None
+            ) -> torch.Tensor:
     """Most work any rank holds beyond its need, for front cuts ``x`` of plans ``g`` (rows of
     ``N - 1`` ranks per plan, ``need`` ``[plans, N]``): one figure per plan."""
     work0, work1 = seq.group_bounds(None)[2:]
@@ -588,14 +596,15 @@ def _excess(seq: Sequence, x: torch.Tensor, k: torch.Tensor, need: torch.Tensor,
     return (torch.diff(held, dim=1) - need).max(1).values
 
 
-def _monotone(seq: Sequence, x: torch.Tensor, k: torch.Tensor, goal: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _monotone(seq: Sequence, x: torch.Tensor, k: torch.Tensor, goal: torch.Tensor, g: torch.Tensor | None
+              ) -> torch.Tensor:
     """Cuts whose front and back runs all have non-negative length (``x`` and ``k - x`` never
-    decrease within a plan ``g``; rows of the same number of ranks per plan). The held work need
+    decrease within a plan ``g``, None: one; rows of the same number of ranks per plan). The held work need
     not grow with ``x``, so the bisection may pick a root behind the previous rank's; those ranks
     solve again inside the window the previous cut leaves, a few rounds (each settles at least
     the first offender), then whatever is left is clamped (a plan that loses its balance that way
     scores as unbalanced and another one is kept)."""
-    plans = int(g[-1]) + 1
+    plans = 1 if g is None else int(g[-1]) + 1
     kk = k.view(plans, -1)
     tokens = torch.diff(kk, dim=1, prepend=kk.new_zeros(plans, 1)).flatten()
     for _ in range(MONOTONE_ROUNDS):
@@ -663,7 +672,7 @@ class Sequence:
         doc_len = lengths[doc]
         work = mask.pairs(start, end, 0, doc_len)
         order = torch.argsort(work.double() / (end - start).clamp(min=1).double(), descending=True, stable=True)
-        for key in (last, group):
+        for key in (last, group if groups > 1 else None):
             if key is not None:
                 order = order[torch.argsort(key[order].to(torch.int32), stable=True)]
         self.doc, self.start, self.doc_len, self.whole_ok = doc[order], start[order], doc_len[order], whole[doc][order]
