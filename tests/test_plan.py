@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -181,6 +183,40 @@ def test_exchange_is_the_minimal_kv_exchange(case):
     assert len(tokens) == len(set(tokens)), "a KV token is received twice"
     assert set(tokens) == needed
     assert ex.tokens_received(p.world_size).tolist() == [sum(t[0] == r for t in needed) for r in range(p.world_size)]
+
+
+def test_planning_memory_does_not_grow_with_document_length():
+    """Planning and stats are O(documents + pieces) in memory, not O(tokens of the largest
+    document): a document of 2**31 - 1 tokens (the most a layout holds) over 8 and 64 ranks, every
+    strategy, in a fresh process whose peak RSS must grow by far less than one byte per token."""
+    script = """
+import resource
+from doccp import DocLayout, Mask, plan
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+for lengths, n in (([2**31 - 13, 5, 7], 64), ([2**31 - 1], 8)):
+    for strategy in ("balanced", "head_tail", "contiguous"):
+        s = plan(DocLayout.from_lengths(lengths), n, Mask.causal(), strategy).stats()
+        assert max(s.tokens) - min(s.tokens) <= 1
+        assert strategy == "contiguous" or s.imbalance <= 1.01, (strategy, s.imbalance)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) < 200, f"peak RSS grew by {out.stdout.split()[-1]} MB"
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5, 64])
+def test_tile_counts_in_bounded_batches_match_one_pass(monkeypatch, batch):
+    """Stats count query tiles a bounded batch at a time (a batch may end inside a piece), so a
+    document of 2**31 tokens costs no more memory than a short one; the counts must not change."""
+    from doccp.app import workloads
+    plan_module = importlib.import_module("doccp.plan")
+    layout = DocLayout.from_lengths(workloads.layout("pretrain", 32768, 0) + [1, 0, 700])
+    plans = [plan(layout, n, mask, s) for n, mask in ((3, Mask.causal()), (4, Mask.sliding_window(300)),
+                                                      (5, Mask.chunked(200))) for s in STRATEGIES]
+    whole = [p.stats().tile_work for p in plans]
+    monkeypatch.setattr(plan_module, "TILE_BATCH", batch)
+    assert [p.stats().tile_work for p in plans] == whole
 
 
 @SETTINGS

@@ -29,6 +29,8 @@ from doccp.ranges import expand, repeat, stable_order, take
 __all__ = ["Plan", "PlanStats", "plan", "STRATEGIES", "Pieces", "Intervals"]
 
 TILE = 128
+#: Query tiles :func:`_tile_counts` takes at a time (its memory: a few dozen bytes per tile).
+TILE_BATCH = 1 << 18
 #: Most ranks a plan is made for (per-rank tables are allocated up front).
 MAX_WORLD_SIZE = 1 << 16
 
@@ -284,12 +286,20 @@ class Plan:
 
 def _tile_counts(p: Pieces, doc_len: torch.Tensor, mask: Mask) -> torch.Tensor:
     """128x128 tiles touched by each piece's queries against its document's keys (key tiles
-    aligned to document position 0, query tiles to the piece start): a fragmentation proxy."""
+    aligned to document position 0, query tiles to the piece start): a fragmentation proxy.
+    One entry per query tile, taken :data:`TILE_BATCH` tiles at a time (a batch may end inside a
+    piece): memory stays bounded however long the documents are."""
     n_tiles = (p.length + TILE - 1) // TILE
-    piece = repeat(torch.arange(len(p)), n_tiles)
-    first = expand(torch.zeros(len(p), dtype=torch.int64), n_tiles)
-    q0 = take(p.start, piece) + first * TILE
-    q1 = torch.minimum(q0 + TILE, take(p.end, piece))
-    lo, hi = mask.visible_keys(q0, q1, take(doc_len, piece))
-    count = torch.where(hi > lo, (hi - 1) // TILE - lo // TILE + 1, torch.zeros_like(lo))
-    return torch.zeros(len(p), dtype=torch.int64).index_add_(0, piece, count)
+    ends = torch.cumsum(n_tiles, 0)
+    starts = ends - n_tiles  # each piece's first tile, numbered over all pieces
+    counts = torch.zeros(len(p), dtype=torch.int64)
+    for t0 in range(0, int(ends[-1]) if len(p) else 0, TILE_BATCH):
+        t1 = t0 + TILE_BATCH
+        a, b = int(torch.searchsorted(ends, t0, right=True)), int(torch.searchsorted(starts, t1))
+        first, last = starts[a:b].clamp(min=t0), ends[a:b].clamp(max=t1)
+        piece = repeat(torch.arange(a, b), last - first)
+        q0 = take(p.start, piece) + expand(first - starts[a:b], last - first) * TILE
+        q1 = torch.minimum(q0 + TILE, take(p.end, piece))
+        lo, hi = mask.visible_keys(q0, q1, take(doc_len, piece))
+        counts.index_add_(0, piece, torch.where(hi > lo, (hi - 1) // TILE - lo // TILE + 1, torch.zeros_like(lo)))
+    return counts
