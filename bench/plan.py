@@ -18,6 +18,9 @@ Part 3, small batches: the same host time at 8k and 32k tokens (fine-tuning batc
 Part 4, every mask: the balanced planner's worst imbalance under full, sliding-window and
 chunked masks on the same mixes (the targets hold for every mask, not just causal).
 
+Part 5, memory: the peak RSS growth of a fresh process planning a document of 2**20 and of
+2**31 - 1 tokens (the most a layout holds) with every strategy, stats included.
+
     python bench/plan.py            # full run (the 16M-token rows take a few minutes)
     python bench/plan.py --quick    # 2 layouts per mix, N in {2, 8, 64}; 131k and 1M tokens only
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -139,6 +143,33 @@ def _stats_seconds(layout: DocLayout, n: int, strategy: str) -> float:
 
 
 # -- report --------------------------------------------------------------------------------
+MEMORY_SCRIPT = """
+import resource, sys
+import torch
+from doccp import DocLayout, Mask, plan
+torch.set_num_threads(1)
+length, n = int(sys.argv[1]), int(sys.argv[2])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+for strategy in sys.argv[3:]:
+    plan(DocLayout.from_lengths([length - 12, 5, 7]), n, Mask.causal(), strategy).stats()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+"""
+MEMORY_LENGTHS = (1 << 20, (1 << 31) - 1)
+MEMORY_WORLD = (8, 1024)
+
+
+def planning_memory() -> dict[tuple[int, int], float]:
+    """Peak RSS growth (MB) of planning one long document (and two short ones) with every strategy
+    and taking its ``stats()``, per (tokens, N), each in a fresh process."""
+    out = {}
+    for tokens in MEMORY_LENGTHS:
+        for n in MEMORY_WORLD:
+            run = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(tokens), str(n), *NAMES],
+                                 capture_output=True, text=True, check=True)
+            out[(tokens, n)] = float(run.stdout.split()[-1])
+    return out
+
+
 def table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
@@ -154,7 +185,7 @@ def ratio(kv: float, bound: float) -> str:
 
 
 def report(cells: dict[tuple[str, int], Cell], times: dict, small: dict, masks: dict[str, float],
-           args: argparse.Namespace) -> str:
+           memory: dict[tuple[int, int], float], args: argparse.Namespace) -> str:
     per_mix = len(next(iter(cells.values())).bound)
     out = [
         "## Planner",
@@ -201,11 +232,17 @@ def report(cells: dict[tuple[str, int], Cell], times: dict, small: dict, masks: 
     out.append(table(["tokens", "N", "balanced median", "balanced worst", *(f"{s} worst" for s in NAMES[1:])], rows))
     out += ["", "### Balance under other masks", "Worst max/mean work of `balanced` over every mix, layout and N "
             "above.", "", table(["mask", "worst imbalance"], [[m, f"{v:.4f}"] for m, v in masks.items()])]
-    out += ["", "### Targets", "", targets(cells, times, masks)]
+    out += ["", "### Memory of planning (MB)",
+            "Peak RSS growth of a fresh process planning one document of `tokens` (and two short ones) with "
+            "every strategy and taking each plan's `stats()`: O(documents + pieces), not O(tokens) (a table "
+            "per token would be 16 GB at 2**31 tokens).", "",
+            table(["tokens", "N", "peak RSS growth"], [[f"{t:,}", n, f"{mb:.1f}"] for (t, n), mb in memory.items()])]
+    out += ["", "### Targets", "", targets(cells, times, masks, memory)]
     return "\n".join(out)
 
 
-def targets(cells: dict[tuple[str, int], Cell], times: dict, masks: dict[str, float]) -> str:
+def targets(cells: dict[tuple[str, int], Cell], times: dict, masks: dict[str, float],
+            memory: dict[tuple[int, int], float]) -> str:
     def row(name: str, values: list[float], fmt: str, ok) -> list[str]:
         if not values:
             return [name, "not measured", "n/a"]
@@ -243,6 +280,10 @@ def targets(cells: dict[tuple[str, int], Cell], times: dict, masks: dict[str, fl
     rows.append(row("stats() <= 1 s at 1M tokens, N = 256 (s)",
                     [t for (tok, n, name), t in times.items() if (tok, n, name) == (1 << 20, 256, "stats")],
                     "{:.2f}", lambda v: v <= 1))
+    short, long = ([mb for (t, _), mb in memory.items() if t == tokens] for tokens in MEMORY_LENGTHS)
+    flat = max(long) <= max(short) + 64
+    rows.append(["planning memory O(documents + pieces): peak RSS growth at 2**31 tokens vs 2**20 (MB)",
+                 f"{max(long):.0f} vs {max(short):.0f}", "PASS" if flat else "MISS"])
     readme = plan(DocLayout.from_lengths([300, 40, 1000, 7, 700]), 4)
     whole = all(sum(1 for r in range(4) for d, _, _ in readme.pieces(r) if d == doc) == 1 for doc in (0, 1, 3))
     rows.append(["README example keeps its 300-, 40- and 7-token documents whole",
@@ -276,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         masks = other_masks(1 if args.quick else count // 2, (3, 8) if args.quick else WORLD_SIZES)
     finally:
         torch.set_num_threads(threads)
-    print(report(cells, times, small, masks, args))
+    memory = planning_memory()
+    print(report(cells, times, small, masks, memory, args))
     return 0
 
 

@@ -30,7 +30,7 @@ __all__ = ["Plan", "PlanStats", "plan", "STRATEGIES", "Pieces", "Intervals"]
 
 TILE = 128
 #: Query tiles :func:`_tile_counts` takes at a time (its memory: a few dozen bytes per tile).
-TILE_BATCH = 1 << 18
+TILE_BATCH = 1 << 16
 #: Most ranks a plan is made for (per-rank tables are allocated up front).
 MAX_WORLD_SIZE = 1 << 16
 
