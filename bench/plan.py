@@ -144,26 +144,35 @@ def _stats_seconds(layout: DocLayout, n: int, strategy: str) -> float:
 
 # -- report --------------------------------------------------------------------------------
 MEMORY_SCRIPT = """
-import resource, sys
+import sys
 import torch
 from doccp import DocLayout, Mask, plan
 torch.set_num_threads(1)
+
+
+def status(key):  # MB, from /proc (Linux): VmHWM is the peak RSS since the reset below
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+
+
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak: the imports do not count
+base = status("VmRSS")
 length, n = int(sys.argv[1]), int(sys.argv[2])
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 for strategy in sys.argv[3:]:
     plan(DocLayout.from_lengths([length - 12, 5, 7]), n, Mask.causal(), strategy).stats()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+print(status("VmHWM") - base)
 """
 MEMORY_LENGTHS = (1 << 20, (1 << 31) - 1)
 MEMORY_WORLD = (8, 1024)
 
 
-def planning_memory() -> dict[tuple[int, int], float]:
+def planning_memory(lengths=MEMORY_LENGTHS, world_sizes=MEMORY_WORLD) -> dict[tuple[int, int], float]:
     """Peak RSS growth (MB) of planning one long document (and two short ones) with every strategy
-    and taking its ``stats()``, per (tokens, N), each in a fresh process."""
+    and taking its ``stats()``, per (tokens, N), each in a fresh process (Linux)."""
     out = {}
-    for tokens in MEMORY_LENGTHS:
-        for n in MEMORY_WORLD:
+    for tokens in lengths:
+        for n in world_sizes:
             run = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(tokens), str(n), *NAMES],
                                  capture_output=True, text=True, check=True)
             out[(tokens, n)] = float(run.stdout.split()[-1])
@@ -233,9 +242,9 @@ def report(cells: dict[tuple[str, int], Cell], times: dict, small: dict, masks: 
     out += ["", "### Balance under other masks", "Worst max/mean work of `balanced` over every mix, layout and N "
             "above.", "", table(["mask", "worst imbalance"], [[m, f"{v:.4f}"] for m, v in masks.items()])]
     out += ["", "### Memory of planning (MB)",
-            "Peak RSS growth of a fresh process planning one document of `tokens` (and two short ones) with "
-            "every strategy and taking each plan's `stats()`: O(documents + pieces), not O(tokens) (a table "
-            "per token would be 16 GB at 2**31 tokens).", "",
+            "Peak RSS growth (over the RSS after its imports) of a fresh process planning one document of "
+            "`tokens` (and two short ones) with every strategy and taking each plan's `stats()`: O(documents + "
+            "pieces), not O(tokens) (a table per token would be 16 GB at 2**31 tokens).", "",
             table(["tokens", "N", "peak RSS growth"], [[f"{t:,}", n, f"{mb:.1f}"] for (t, n), mb in memory.items()])]
     out += ["", "### Targets", "", targets(cells, times, masks, memory)]
     return "\n".join(out)
