@@ -346,7 +346,7 @@ def _sequence_plans(layout: DocLayout, n: int, mask: Mask, configs: list[tuple[C
     lengths = layout.lengths
     mean = float(doc_work.sum()) / n
     plans: list[Pieces | None] = [None] * len(configs)
-    live, pins, tokens, need, chunkings = [], [], [], [], []
+    live, pins, tokens, need, layouts = [], [], [], [], []
     for i, (chunking, pinned) in enumerate(configs):
         held = pinned >= 0
         p = Pieces.of(pinned[held], torch.nonzero(held).flatten(), 0, lengths[held])
@@ -361,11 +361,11 @@ def _sequence_plans(layout: DocLayout, n: int, mask: Mask, configs: list[tuple[C
         pins.append(p)
         tokens.append(t)
         need.append(mean - torch.zeros(n, dtype=torch.float64).index_add_(0, p.rank, doc_work[held].double()))
-        chunkings.append((chunking, rest))
+        layouts.append((chunking, rest))  # its documents left to the sequence
     if not live:
         return plans
     m = len(live)
-    seq = Sequence.of_layouts(chunkings, lengths, mask, -(-layout.num_tokens // n), whole)
+    seq = Sequence.of_layouts(layouts, lengths, mask, -(-layout.num_tokens // n), whole)
     tokens, need = torch.stack(tokens), torch.stack(need)
     k = torch.cumsum(tokens, 1)[:, :-1].flatten()  # per plan, tokens of ranks 0..r, r < N - 1
     goal = torch.cumsum(need, 1)[:, :-1].flatten()
