@@ -542,15 +542,17 @@ def _group_splits(seq: Sequence, rank_cu: torch.Tensor, first: torch.Tensor, cou
     valid = torch.cat([crosses, edges <= k[:, None], edges >= rest], 1)
     x = x.clamp(min=0).minimum(k[:, None])
     u = x + rest  # the back run: a window at the very end
-    w = torch.nonzero(window[g]).flatten()  # candidates of groups that take windows
-    if w.numel():  # a big chunk's edge as the front cut and the window after it that meets the work
+    usable = (edges <= k[:, None]) & window[g][:, None]  # window candidates that can be valid
+    if bool(usable.any()):  # a big chunk's edge as the front cut and the window after it that meets the work
         front = edges.clamp(min=0).minimum(k[:, None])
-        at, width = front.index_select(0, w), front.shape[1]  # solved for those only (the others' stay invalid)
-        k_, goal_, g_ = (t.index_select(0, w).repeat_interleave(width) for t in (k, goal, g))
-        found = seq.solve(k_, goal_, at.flatten(), (at + rest.index_select(0, w)).flatten(), g_, False, at.flatten())
-        start = front.index_copy(0, w, seq.snap(found, k_, goal_, slack, g_, at.flatten()).view(at.shape))
+        entry = torch.nonzero(usable.flatten()).flatten()  # solved for those only (the others stay invalid)
+        row = entry // front.shape[1]
+        at = front.flatten().index_select(0, entry)
+        k_, goal_, g_ = (t.index_select(0, row) for t in (k, goal, g))
+        found = seq.solve(k_, goal_, at, at + rest.flatten().index_select(0, row), g_, False, at)
+        start = front.flatten().index_copy(0, entry, seq.snap(found, k_, goal_, slack, g_, at)).view(front.shape)
         x, u = torch.cat([x, front], 1), torch.cat([u, start], 1)
-        valid = torch.cat([valid, (edges <= k[:, None]) & window[g][:, None]], 1)
+        valid = torch.cat([valid, usable], 1)
     k_, goal_, g_ = each(x)
     err = (seq.held(x.flatten(), k_, g_, u.flatten()) - goal_).view(x.shape).abs()
     rel = err / torch.minimum(goal, work1 - work0 - goal).clamp(min=1.0)[:, None]
