@@ -189,10 +189,6 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
-def ratio(kv: float, bound: float) -> str:
-    return f"{kv / bound:.2f}" if bound > 0 else "n/a (bound 0)"
-
-
 def report(cells: dict[tuple[str, int], Cell], times: dict, small: dict, masks: dict[str, float],
            memory: dict[tuple[int, int], float], args: argparse.Namespace) -> str:
     per_mix = len(next(iter(cells.values())).bound)
@@ -209,6 +205,7 @@ def report(cells: dict[tuple[str, int], Cell], times: dict, small: dict, masks: 
         "Max KV = the KV tokens the most-loaded rank receives under the minimal exchange, as a fraction of "
         "a full all-gather (T - T/N). Bound = `doccp.plan.bound.kv_lower_bound` (no plan with tokens within "
         "one and imbalance <= 1.01 receives less); *ratio* = balanced / bound on the same layout (worst); "
+        "*gap* = balanced minus bound on the same layout (worst; a ratio of a bound near 0 says little); "
         "*excess* = balanced's max KV minus contiguous's (unbalanced) on the same layout (worst).",
         "",
     ]
@@ -216,12 +213,13 @@ def report(cells: dict[tuple[str, int], Cell], times: dict, small: dict, masks: 
     for (mix, n), c in cells.items():
         ratios = [b / lb for b, lb in zip(c.kv["balanced"], c.bound, strict=True) if lb > 0]
         excess = max(b - k for b, k in zip(c.kv["balanced"], c.kv["contiguous"], strict=True))
+        gap = max(b - lb for b, lb in zip(c.kv["balanced"], c.bound, strict=True))
         rows.append([mix, n, *(f"{max(c.kv[s]):.3f}" for s in NAMES), f"{max(c.bound):.3f}",
-                     f"{max(ratios):.2f}" if ratios else "n/a (bound 0)", f"{excess:+.3f}",
+                     f"{max(ratios):.2f}" if ratios else "n/a (bound 0)", f"{gap:.3f}", f"{excess:+.3f}",
                      *(f"{statistics.mean(c.pieces[s]):.0f}" for s in NAMES),
                      f"{max(c.imbalance['balanced']):.4f}", f"{max(c.imbalance['contiguous']):.3f}",
                      ms(max(c.seconds))])
-    out.append(table(["mix", "N", *(f"max KV {s}" for s in NAMES), "bound", "ratio", "excess",
+    out.append(table(["mix", "N", *(f"max KV {s}" for s in NAMES), "bound", "ratio", "gap", "excess",
                       *(f"pieces {s}" for s in NAMES), "imbalance balanced", "imbalance contiguous",
                       "host ms balanced"], rows))
     out += ["", f"### Host time at scale ({SCALE_MIX} mix, ms)",

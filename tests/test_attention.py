@@ -229,6 +229,26 @@ def test_attention_bisection_plans(world_size, lengths, masks, late):
     check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
 
 
+@pytest.mark.parametrize("world_size, lengths, masks", [
+    (2, [3, 12, 7, 1, 12, 1, 1, 20, 12, 31, 12, 0, 12, 1], [Mask.causal()]),
+    (3, [1, 20, 20, 3, 12, 3, 20, 31, 7, 31, 0, 31, 1, 12], [Mask.causal(), Mask.sliding_window(5)]),
+])
+def test_attention_packed_plans(monkeypatch, world_size, lengths, masks):
+    """Plans of the balanced planner's packings (whole documents pinned to ranks, a reserve of
+    short ones shared out) at N = 2 and odd N, with zero-length and 1-token documents."""
+    import importlib
+    balanced = importlib.import_module("doccp.plan.balanced")
+    layout = DocLayout.from_lengths(lengths)
+    packed = [max(doccp.plan(layout, world_size, mask).stats().kv_recv) for mask in masks]
+    with monkeypatch.context() as m:
+        m.setattr(balanced, "PACK_RANKS", 0)
+        unpacked = [max(doccp.plan(layout, world_size, mask).stats().kv_recv) for mask in masks]
+    assert all(a < b for a, b in zip(packed, unpacked, strict=True))  # the plans under test are packings
+    cases = [(lengths, "balanced", mask, algorithm, i)
+             for i, (mask, algorithm) in enumerate(itertools.product(masks, ALGORITHMS))]
+    check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
+
+
 def test_chunks_that_do_not_straddle_ranks_move_nothing():
     """A chunk needs only its own keys: cut at chunk boundaries, CP exchanges no KV at all, while
     a cut inside a chunk sends just that chunk's head."""

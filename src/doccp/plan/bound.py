@@ -25,12 +25,32 @@ cheapest ``F - m`` other rows of the layout (its own earlier ones included)::
     30 cost 2565, plus 70: 2635. So m <= 29 and some rank receives at least (100 - 29) / 2, 36
     keys (the balanced planner's head + tail plan receives 41).
 
-The bound is the largest such figure over all documents (0 when every document may stay whole
-next to the cheapest fill). Only the mask protocol is used (``pairs`` for the work,
-``row_costs`` for the rows), so it holds for every mask. It is exact for one document much
-longer than a rank and 0 when only the packing of many short documents forces cuts (where
-:mod:`bench.plan` reports no ratio). Host cost: O(tokens + distinct lengths x longest
-document), a benchmark tool, not part of planning.
+A third figure holds for the same masks, and turns the question around: could a plan exist
+in which no rank receives more than ``K`` keys? If A holds the last ``s`` rows of a document of
+``L`` tokens and ``j`` more below them, the holder of the highest row A lacks receives those
+``j``, so ``j <= K``, and A itself receives ``L - s - j <= K``. Likewise every row A holds of
+another document below that document's highest row A lacks is received by some other rank: A
+holds at most ``(N - 1) K`` such *single* rows in all, and every other row it holds (a document
+whole, or its last rows) costs at least its document's mean. So A's work is at least the last
+``s`` rows, plus the first ``j`` rows, plus the cheapest ``F - s - j`` fill rows under that
+budget (the mix of single rows and mean rows is convex, so a bisection finds it); if no ``s``
+fits the cap, no such plan exists. The least ``K`` every document allows is a bound (allowing
+more keys never hurts, so it is found by bisection)::
+
+    causal, 2 ranks, 4, 3, 2 and 1 tokens (F = 5, cap 10.1): with K = 1 the 4-token document's
+    last row needs s + j >= 3 of its rows on its rank A. The last 3 rows cost 9, plus 2 fill rows
+    (at least 2): 11. The last 2 and the first (j = 1): 7 + 1, plus 2 rows at their documents'
+    means (no single row is left: the other rank receives the first row) 1 + 1.5: 10.5. All 4
+    rows: 10 + 1. None fits 10.1, so some rank receives 2 keys, the optimum (the first figure
+    gives 1).
+
+The bound is the largest of these figures over all documents (0 when every document may stay
+whole next to the cheapest fill). Only the mask protocol is used (``pairs`` for the work,
+``row_costs`` for the rows), so it holds for every mask; the second and third figures only where
+every row sees its document from key 0 and costs never fall along the document (causal, full).
+It is exact for one document much longer than a rank and 0 when only the packing of many short
+documents forces cuts (where :mod:`bench.plan` reports no ratio). Host cost: O(tokens + distinct
+lengths x longest document x log T), a benchmark tool, not part of planning.
 """
 
 from __future__ import annotations
@@ -44,53 +64,156 @@ from doccp.masks import Mask
 TOLERANCE = 1.01
 
 
-class _Fill:
-    """The least work of ``t`` rows drawn from a pool of rows, for many ``t`` at once: the pool as
-    a histogram of row costs (costs are at most the longest document, so no sort of every row)."""
+class _Pool:
+    """Rows in groups of rising cost (``cost[g]`` per row of group ``g``, ``counts[g]`` rows): the
+    least work of any ``t`` of them, for many ``t`` at once."""
 
-    def __init__(self, counts: torch.Tensor):
-        cost = torch.arange(counts.numel(), dtype=torch.float64)
-        self.rows = torch.cumsum(counts, 0)  # rows of cost <= c
-        self.work = torch.cumsum(counts * cost, 0)  # their work
+    def __init__(self, cost: torch.Tensor, counts: torch.Tensor):
+        self.cost = cost.double()
+        self.rows = torch.cumsum(counts.double(), 0)
+        self.work = torch.cumsum(self.cost * counts, 0)
+
+    @classmethod
+    def of_histogram(cls, counts: torch.Tensor) -> _Pool:
+        """Rows by cost, ``counts[c]`` rows of cost ``c`` (costs are at most the longest document,
+        so no sort of every row)."""
+        return cls(torch.arange(counts.numel()), counts)
+
+    @property
+    def size(self) -> int:
+        return int(self.rows[-1]) if self.rows.numel() else 0
+
+    def row_cost(self, k: torch.Tensor) -> torch.Tensor:
+        """Cost of the ``k``-th cheapest row (``1 <= k <= size``)."""
+        return self.cost[torch.searchsorted(self.rows, k.double()).clamp(max=self.cost.numel() - 1)]
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        """Least work of ``t`` rows of the pool; infinite where the pool has fewer rows."""
+        """Least work of ``t`` rows; infinite where there are fewer."""
+        if self.rows.numel() == 0:
+            return torch.where(t <= 0, 0.0, torch.inf)
         t = t.double()
-        c = torch.searchsorted(self.rows, t).clamp(max=self.rows.numel() - 1)
-        below = (c - 1).clamp(min=0)
-        rows_below = torch.where(c > 0, self.rows[below], 0.0)
-        work_below = torch.where(c > 0, self.work[below], 0.0)
-        least = work_below + (t - rows_below) * c.double()
-        return torch.where(t <= self.rows[-1], least, torch.inf)
+        g = torch.searchsorted(self.rows, t).clamp(max=self.rows.numel() - 1)
+        before = (g - 1).clamp(min=0)
+        rows_before = torch.where(g > 0, self.rows[before], 0.0)
+        work_before = torch.where(g > 0, self.work[before], 0.0)
+        return torch.where(t <= self.rows[-1], work_before + (t - rows_before) * self.cost[g], torch.inf)
+
+
+def _mixed(single: _Pool, means: _Pool, t: torch.Tensor, most: torch.Tensor, exact: bool = True) -> torch.Tensor:
+    """Least work of ``t`` rows, at most ``most`` of them from ``single`` and the rest from
+    ``means`` (third figure); never below ``single(t)``, infinite where no mix makes ``t`` rows.
+    ``exact=False``: the better of the two extreme mixes, never below the least (a quick check)."""
+    lo = (t - means.size).clamp(min=0)
+    hi = torch.minimum(torch.minimum(t, most), torch.full_like(t, single.size))
+    possible = lo <= hi
+    hi = torch.maximum(lo, hi)
+    if exact:
+        # Convex in the number c of single rows: the best c is the first whose next single row
+        # costs no less than the mean row it replaces.
+        while bool((lo < hi).any()):
+            mid = (lo + hi) // 2
+            stop, active = single.row_cost(mid + 1) >= means.row_cost(t - mid), lo < hi
+            lo, hi = torch.where(active & ~stop, mid + 1, lo), torch.where(active & stop, mid, hi)
+    work = torch.minimum(single(lo) + means(t - lo), single(hi) + means(t - hi))
+    return torch.where(possible, torch.maximum(work, single(t)), torch.inf)
 
 
 def kv_lower_bound(layout: DocLayout, world_size: int, mask: Mask, tolerance: float = TOLERANCE) -> int:
     """KV tokens the most-loaded rank receives in any plan with tokens per rank within one and
     work max/mean <= ``tolerance`` (a lower bound; see the module docstring)."""
-    lengths = layout.lengths
     if world_size == 1 or layout.num_tokens == 0:
         return 0
-    total = layout.num_tokens
-    floor_tokens, cap_tokens = total // world_size, -(-total // world_size)
-    cap_work = tolerance * float(mask.pairs(0, lengths, 0, lengths).sum()) / world_size
-    distinct, copies = torch.unique(lengths[lengths > 0], return_counts=True)
-    width = int(distinct.max()) + 1  # no row sees more keys than its document has
-    everyone = torch.zeros(width, dtype=torch.float64)
-    for length, k in zip(distinct.tolist(), copies.tolist(), strict=True):
-        everyone += k * torch.bincount(mask.row_costs(length), minlength=width)
-    bound = 0
-    for length in reversed(distinct.tolist()):  # longest first: no figure exceeds length - 1
-        if length - 1 <= bound:
-            break
-        costs = mask.row_costs(length)
-        others = _Fill(everyone - torch.bincount(costs, minlength=width))
-        bound = max(bound, _holder_of_the_top_row(costs, others, floor_tokens, cap_tokens, cap_work))
-        if _rows_see_from_zero(mask, length):
-            bound = max(bound, _two_ranks(costs, _Fill(everyone), floor_tokens, cap_tokens, cap_work))
+    figures = _Figures(layout, world_size, mask, tolerance)
+    bound = figures.largest()
+    if figures.prefix_masked:  # third figure: the least K every document allows (monotone in K)
+        lo, hi = bound, min(figures.total - figures.floor_tokens, figures.longest_top)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if figures.allow(mid) else (mid + 1, hi)
+        bound = lo
     return bound
 
 
-def _holder_of_the_top_row(costs: torch.Tensor, fill: _Fill, floor_tokens: int, cap_tokens: int,
+class _Figures:
+    """The figures of the module docstring for the documents of one layout."""
+
+    def __init__(self, layout: DocLayout, world_size: int, mask: Mask, tolerance: float):
+        lengths = layout.lengths
+        self.world_size, self.mask, self.total = world_size, mask, layout.num_tokens
+        self.floor_tokens, self.cap_tokens = self.total // world_size, -(-self.total // world_size)
+        self.cap_work = tolerance * float(mask.pairs(0, lengths, 0, lengths).sum()) / world_size
+        self.distinct, self.copies = torch.unique(lengths[lengths > 0], return_counts=True)
+        self.width = int(self.distinct.max()) + 1  # no row sees more keys than its document has
+        self.costs = {length: mask.row_costs(length) for length in self.distinct.tolist()}
+        self.everyone = torch.zeros(self.width, dtype=torch.float64)
+        for length, k in zip(self.distinct.tolist(), self.copies.tolist(), strict=True):
+            self.everyone += k * torch.bincount(self.costs[length], minlength=self.width)
+        self.every_row = _Pool.of_histogram(self.everyone)
+        mean = mask.pairs(0, self.distinct, 0, self.distinct).double() / self.distinct
+        self.by_mean = torch.argsort(mean)
+        self.mean = mean[self.by_mean]
+        self.longest_top = int(self.costs[int(self.distinct[-1])][-1])  # every K above it is allowed
+        self.prefix_masked = all(_rows_see_from_zero(mask, length) and bool((c[1:] >= c[:-1]).all())
+                                 for length, c in self.costs.items())
+
+    def _longest_first(self):
+        return reversed(list(enumerate(self.distinct.tolist())))
+
+    def largest(self) -> int:
+        """The largest first or second figure over the documents."""
+        bound = 0
+        for _, length in self._longest_first():
+            if length - 1 <= bound:  # no figure exceeds length - 1
+                break
+            costs = self.costs[length]
+            others = _Pool.of_histogram(self.everyone - torch.bincount(costs, minlength=self.width))
+            bound = max(bound, _holder_of_the_top_row(costs, others, self.floor_tokens, self.cap_tokens,
+                                                      self.cap_work))
+            if _rows_see_from_zero(self.mask, length):
+                bound = max(bound, _two_ranks(costs, self.every_row, self.floor_tokens, self.cap_tokens,
+                                              self.cap_work))
+        return bound
+
+    def allow(self, keys: int) -> bool:
+        """Whether every document's last row fits some rank in a plan where no rank receives more
+        than ``keys`` keys (third figure); ``False`` proves that every balanced plan receives more.
+        Monotone in ``keys`` (every option below only gets cheaper as ``keys`` grows), so
+        :func:`kv_lower_bound` bisects it."""
+        budget = (self.world_size - 1) * keys
+        for index, length in self._longest_first():
+            costs = self.costs[length]
+            top = int(costs[-1])
+            if top <= keys:
+                continue
+            # A holds the last s rows and j >= below rows under them, j <= keys (module docstring)
+            fewest, most = max(1, top - 2 * keys), min(length, self.cap_tokens)
+            if fewest > most:  # A cannot hold enough of the document
+                return False
+            s = torch.arange(fewest, most + 1)
+            below = (top - keys - s).clamp(min=0)
+            last = torch.cumsum(costs.flip(0).double(), 0)[s - 1]
+            first = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(costs.double(), 0)])
+            single = _Pool.of_histogram(self.everyone - torch.bincount(costs, minlength=self.width))
+            rows = self.distinct * self.copies
+            rows[index] -= length
+            means = _Pool(self.mean, rows[self.by_mean])
+            rest = self.floor_tokens - s
+            # j = below exactly, or any j in [below + 1, keys] (charged its least first rows and
+            # the fill of j = keys); the extreme mixes first, most documents fit with one of them
+            for exact in (False, True):
+                least = first[below] + _mixed(single, means, (rest - below).clamp(min=0), budget - below, exact)
+                more = first[(below + 1).clamp(max=length)] + _mixed(
+                    single, means, (rest - keys).clamp(min=0), budget - below - 1, exact)
+                fits = (last + least <= self.cap_work) & (s + below <= self.cap_tokens)
+                fits |= (last + more <= self.cap_work) & (s + below + 1 <= self.cap_tokens) & (below < keys)
+                if bool(fits.any()):
+                    break
+            else:
+                return False
+        return True
+
+
+def _holder_of_the_top_row(costs: torch.Tensor, fill: _Pool, floor_tokens: int, cap_tokens: int,
                            cap_work: float) -> int:
     """``keys(p) - n`` (module docstring, first figure); ``fill``: the other documents' rows."""
     length = costs.numel()
@@ -104,7 +227,7 @@ def _holder_of_the_top_row(costs: torch.Tensor, fill: _Fill, floor_tokens: int, 
     return max(keys - most, 0)
 
 
-def _two_ranks(costs: torch.Tensor, fill: _Fill, floor_tokens: int, cap_tokens: int, cap_work: float) -> int:
+def _two_ranks(costs: torch.Tensor, fill: _Pool, floor_tokens: int, cap_tokens: int, cap_work: float) -> int:
     """``ceil((L - m) / 2)``, ``m`` the most last rows one rank can hold (module docstring, second
     figure); ``fill``: every row of the layout (the document's earlier rows among them)."""
     length = costs.numel()
