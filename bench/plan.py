@@ -203,7 +203,8 @@ def report(cells: dict[tuple[str, int], Cell], times: dict, small: dict, masks: 
         "",
         "### KV, pieces and balance per mix and N",
         "Max KV = the KV tokens the most-loaded rank receives under the minimal exchange, as a fraction of "
-        "a full all-gather (T - T/N). Bound = `doccp.plan.bound.kv_lower_bound` (no plan with tokens within "
+        "a full all-gather (T - T/N), on the worst layout; *mean KV balanced* the mean over the layouts. "
+        "Bound = `doccp.plan.bound.kv_lower_bound` (no plan with tokens within "
         "one and imbalance <= 1.01 receives less); *ratio* = balanced / bound on the same layout (worst); "
         "*gap* = balanced minus bound on the same layout (worst; a ratio of a bound near 0 says little); "
         "*excess* = balanced's max KV minus contiguous's (unbalanced) on the same layout (worst).",
@@ -214,13 +215,14 @@ def report(cells: dict[tuple[str, int], Cell], times: dict, small: dict, masks: 
         ratios = [b / lb for b, lb in zip(c.kv["balanced"], c.bound, strict=True) if lb > 0]
         excess = max(b - k for b, k in zip(c.kv["balanced"], c.kv["contiguous"], strict=True))
         gap = max(b - lb for b, lb in zip(c.kv["balanced"], c.bound, strict=True))
-        rows.append([mix, n, *(f"{max(c.kv[s]):.3f}" for s in NAMES), f"{max(c.bound):.3f}",
+        rows.append([mix, n, *(f"{max(c.kv[s]):.3f}" for s in NAMES), f"{statistics.mean(c.kv['balanced']):.4f}",
+                     f"{max(c.bound):.3f}",
                      f"{max(ratios):.2f}" if ratios else "n/a (bound 0)", f"{gap:.3f}", f"{excess:+.3f}",
                      *(f"{statistics.mean(c.pieces[s]):.0f}" for s in NAMES),
                      f"{max(c.imbalance['balanced']):.4f}", f"{max(c.imbalance['contiguous']):.3f}",
                      ms(max(c.seconds))])
-    out.append(table(["mix", "N", *(f"max KV {s}" for s in NAMES), "bound", "ratio", "gap", "excess",
-                      *(f"pieces {s}" for s in NAMES), "imbalance balanced", "imbalance contiguous",
+    out.append(table(["mix", "N", *(f"max KV {s}" for s in NAMES), "mean KV balanced", "bound", "ratio", "gap",
+                      "excess", *(f"pieces {s}" for s in NAMES), "imbalance balanced", "imbalance contiguous",
                       "host ms balanced"], rows))
     out += ["", f"### Host time at scale ({SCALE_MIX} mix, ms)",
             "One rank's plan + schedules + indices per strategy; `stats()` of a head_tail plan (every rank's "

@@ -45,7 +45,7 @@ position sets its work, so no big document is cut (with two ranks, that is the b
 With few ranks (at most :data:`PACK_RANKS`) a rank's share holds many documents, and whole ones
 can balance it by themselves. A *packing* (:func:`_packings`) pins documents whole to ranks first,
 heaviest first, each to the rank with the most work left to fill among those it fits, and holds
-back a reserve of the shortest documents (a share of the tokens) for the sequence to share out:
+back a reserve of the lightest documents (a share of the tokens) for the sequence to share out:
 it then cuts only short documents, for a few tokens of KV where the sequence alone cuts long
 ones (pretrain mix, 2 ranks: 0.2% of an all-gather instead of 12%). Each reserve share is one
 more probe, solved in the first pass; a balanced packing ends the search (pinning its cut
@@ -56,9 +56,9 @@ receives more than the (unbalanced) contiguous split's max KV plus :data:`KV_GOA
 all-gather, or more than :data:`KV_HEAVY` of one. Every candidate plan is scored (unbalanced,
 max KV received, whole-able documents cut, spread) and the best one kept; a handful of
 candidates, each O(chunks log chunks + N log T) vectorised host work (the bisection: O(log N)
-levels of it), no loop over documents or ranks (but the packings' greedy, for a few hundred
-documents at most). Small layouts are bound by the per-call overhead
-of that work, not its width, so every bisection variant is solved in one pass (each in rank
+levels of it), no loop over documents or ranks (but the packings' greedy, over a few hundred
+documents at most). Small layouts are bound by the per-call overhead of that work, not its
+width, so every bisection variant is solved in one pass (each in rank
 groups of its own) the first time one is tried, and so are the sequence plans the search is
 about to try (each configuration a group of its own): the first probes together and, where the
 search is likely to run long, each pinning pass in lockstep (a round at a time for all its
@@ -149,7 +149,7 @@ WINDOW_RANKS = 8
 BRACKETS = 8
 #: Chunks per group whose edges the bisection planner tries as cuts (the biggest ones).
 BIG_CHUNKS = 4
-#: Shares of the tokens held back, as the shortest documents, when documents are packed whole onto
+#: Shares of the tokens held back, as the lightest documents, when documents are packed whole onto
 #: ranks first (tried in turn, see :func:`_packings`): the sequence then shares out only those.
 PACK_RESERVE = (0.1, 0.2, 0.35, 0.5)
 #: Most ranks the packings are tried for: with few ranks, a rank's share holds many documents and
@@ -203,7 +203,7 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
                   for (head_back, late), window in itertools.product(BISECT_HEAD_BACK, BISECT_WINDOW)
                   if (n <= WINDOW_RANKS if window else n > 2)  # two ranks, no window: the sequence plan
                   and (n <= LATE_HEAD_RANKS or not late)]
-    packings = [Chunking(0, reserve=r) for r in PACK_RESERVE] if n <= PACK_RANKS else []
+    packings = [Chunking(0, reserve=r) for r in PACK_RESERVE] if n <= PACK_RANKS and bool(whole.any()) else []
     bisected: dict[Chunking, Pieces] = {}
     solved: dict[tuple, tuple | None] = {}  # (chunking, pinned) -> (pieces, score, cut), solved ahead
 
