@@ -48,8 +48,8 @@ heaviest first, each to the rank with the most work left to fill among those it 
 back a reserve of the lightest documents (a share of the tokens) for the sequence to share out:
 it then cuts only short documents, for a few tokens of KV where the sequence alone cuts long
 ones (pretrain mix, 2 ranks: 0.2% of an all-gather instead of 12%). Each reserve share is one
-more probe, solved in the first pass; a balanced packing ends the search (pinning its cut
-documents whole would only reshuffle its reserve).
+more plan, solved with the first probes and scored against the search's best at its end (it
+never ends the search early: pinning passes may still find less KV).
 
 The costlier candidates (head-at-back layouts, bisections) are tried only while the best plan
 receives more than the (unbalanced) contiguous split's max KV plus :data:`KV_GOAL` of an
@@ -190,7 +190,7 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     doc_work = mask.pairs(0, lengths, 0, lengths)
     rank_tokens = -(-layout.num_tokens // n)
     whole = (lengths <= rank_tokens) & (doc_work.double() <= float(doc_work.sum()) / n)
-    best, best_score, attempts, packed = None, None, 0, False
+    best, best_score, attempts = None, None, 0
     # Where the costlier candidates are tried: above the (unbalanced) contiguous split's max KV plus a
     # little, or above a quarter of an all-gather.
     allgather = layout.num_tokens - layout.num_tokens // n
@@ -244,10 +244,10 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     def first_pins(chunks: Chunking) -> torch.Tensor:
         if not chunks.reserve:
             return torch.full_like(lengths, -1)
-        return packed_pins[chunks.reserve].clone()  # pinning rounds write into theirs
+        return packed_pins[chunks.reserve]
 
     def variants():
-        yield from ((c, PIN_TO[0], True, ()) for c in (*chunkings[:2], *packings))
+        yield from ((c, PIN_TO[0], True, ()) for c in chunkings[:2])
         # Head-at-back layouts where a document cannot stay whole and the KV is above the goal.
         heavy = best_score is None or best_score[1] > kv_goal
         heads = [Chunking(0, h) for h in HEAD_BACK] if heavy and not bool(whole.all()) else []
@@ -267,8 +267,10 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
         few enough rows that :meth:`Sequence.solve` keeps ``depth`` bisection steps per call."""
         return plans * most_chunks <= LOCKSTEP_CHUNKS and (plans * (n - 1) << depth) <= SOLVE_POINTS
 
-    probes = [*chunkings[:2], *packings, *([Chunking(0, h) for h in HEAD_BACK] if not bool(whole.all()) else [])]
-    if ahead(len(probes)):  # the first probes in one pass, the head-at-back ones ahead
+    probes = [*chunkings[:2], *([Chunking(0, h) for h in HEAD_BACK] if not bool(whole.all()) else [])]
+    if ahead(len(probes) + len(packings)):  # the first probes in one pass (the packings with them),
+        solve_ahead([(c, first_pins(c)) for c in (*probes, *packings)])
+    elif ahead(len(probes)):  # the head-at-back ones ahead
         solve_ahead([(c, first_pins(c)) for c in probes])
     for chunks, pin_to, probe, chains in variants():
         # A pinning pass on a small layout with a long search ahead (few cut documents: a larger
@@ -278,28 +280,34 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
                 best_score is None or best_score[0] or 0 < best_score[2] <= FEW_CUTS):
             passes.add(pin_to)
             in_lockstep(list(chains), pin_to)
-        pinned = first_pins(chunks)
+        pinned = torch.full_like(lengths, -1)
         for round_ in range(PIN_ROUNDS + 1):
             if round_ == 0 and chunks in unpinned:
                 result = unpinned[chunks]
             else:
                 result = solve(chunks, pinned)
-                # probes of the costlier layouts come on top of the budget
-                attempts += not (probe and (chunks.head_back or chunks.bisect or chunks.reserve))
+                attempts += not (probe and (chunks.head_back or chunks.bisect))  # on top of the budget
                 if result is None:
                     break
                 if round_ == 0:
                     unpinned[chunks] = result
             pieces, score, cut = result
             if best_score is None or _better(score, best_score):
-                best, best_score, packed = pieces, score, bool(chunks.reserve)
+                best, best_score = pieces, score
             if probe or not _pins_again(round_, score, cut) or _done(best_score, attempts):
                 break
             pinned = _pin(pinned, pieces, cut, pin_to, n)
-        # A balanced packing cuts only short documents, of its reserve: pinning them whole would
-        # only reshuffle the reserve, so the search ends there.
-        if not probe and best_score is not None and (_done(best_score, attempts) or packed and not best_score[0]):
+        if not probe and best_score is not None and _done(best_score, attempts):
             break
+    # The packings last (solved with the first probes): they compete with the search's best but
+    # never end it early, so a plan the search finds is never lost to one.
+    unsolved = [(c, first_pins(c)) for c in packings if (c, first_pins(c).numpy().tobytes()) not in solved]
+    if unsolved and ahead(len(unsolved)):
+        solve_ahead(unsolved)
+    for chunks in packings:
+        result = solve(chunks, first_pins(chunks))
+        if result is not None and (best_score is None or _better(result[1], best_score)):
+            best, best_score = result[0], result[1]
     return best
 
 
