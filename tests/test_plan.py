@@ -599,7 +599,7 @@ def test_packings_never_lose_a_plan_the_search_finds(monkeypatch):
     cut no short document once stopped the search before a pinning pass found 20% less KV, and on
     small batches of every mix)."""
     cases = [(workloads.layout("long", 131072, 11), 3)]
-    cases += [(workloads.layout(mix, 8192, i), n) for mix in workloads.MIXES for i in range(2) for n in (2, 3, 4)]
+    cases += [(workloads.layout(mix, 8192, i), n) for mix in workloads.MIXES for i in range(2) for n in (2, 3, 5, 8)]
     packed = [plan(DocLayout.from_lengths(lengths), n).stream_pieces for lengths, n in cases]
     monkeypatch.setattr(balanced, "PACK_RANKS", 0)
     for (lengths, n), with_packings in zip(cases, packed, strict=True):

@@ -153,10 +153,10 @@ BIG_CHUNKS = 4
 #: ranks first (tried in turn, see :func:`_packings`): the sequence then shares out only those.
 PACK_RESERVE = (0.1, 0.2, 0.35, 0.5)
 #: Most ranks the packings are tried for: with few ranks, a rank's share holds many documents and
-#: whole ones can balance it (2 and 4 ranks: 2-4x less KV on average on the seeded mixes, up to
-#: 1000x on a layout); beyond, the KV is mostly that of the documents too big to stay whole, which
-#: packing does not change (8 ranks: 0-40% less, for 2-4x the host time).
-PACK_RANKS = 4
+#: whole ones can balance it (2-8 ranks: up to 20x less KV on average on the seeded mixes, up to
+#: 1000x on a layout); beyond, the KV is that of the documents too big to stay whole, which packing
+#: does not change (16 ranks: none less on any mix).
+PACK_RANKS = 8
 #: Most documents a packing pins (heaviest first; lighter ones join the reserve): its greedy takes
 #: a few heap operations per document, so planning a million tokens stays in milliseconds.
 PACK_DOCS = 512
