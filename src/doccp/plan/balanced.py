@@ -49,7 +49,9 @@ back a reserve of the lightest documents (a share of the tokens) for the sequenc
 it then cuts only short documents, for a few tokens of KV where the sequence alone cuts long
 ones (pretrain mix, 2 ranks: 0.2% of an all-gather instead of 12%). Each reserve share is one
 more plan, solved with the first probes and scored against the search's best at its end (it
-never ends the search early: pinning passes may still find less KV).
+never ends the search early: pinning passes may still find less KV). Where nothing balances (a
+few documents of a few tokens per rank can defeat every cut), the plan is head_tail's, which
+balances each document on its own under a causal mask.
 
 The costlier candidates (head-at-back layouts, bisections) are tried only while the best plan
 receives more than the (unbalanced) contiguous split's max KV plus :data:`KV_GOAL` of an
@@ -76,6 +78,7 @@ import torch
 from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan.exchange import visible_intervals
+from doccp.plan.head_tail import head_tail
 from doccp.plan.pieces import Pieces, cut_stream, even_sizes
 from doccp.ranges import expand, repeat
 
@@ -308,6 +311,12 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
         result = solve(chunks, first_pins(chunks))
         if result is not None and (best_score is None or _better(result[1], best_score)):
             best, best_score = result[0], result[1]
+    # No balanced plan: tiny layouts (a few documents of a few tokens per rank) can defeat the
+    # search's cuts, while head_tail balances every document on its own under a causal mask.
+    if best_score is None or best_score[0]:
+        result = scored(head_tail(layout, n, mask))
+        if best_score is None or _better(result[1], best_score):
+            best = result[0]
     return best
 
 
