@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -110,6 +112,24 @@ def test_visible_keys_and_row_costs(mask, doc_len, data):
     assert (lo, hi) == (min(seen), max(seen) + 1)  # the diagonal is always visible
     tlo, thi = mask.visible_keys(torch.tensor([qs]), torch.tensor([qe]), torch.tensor([doc_len]))
     assert (int(tlo), int(thi)) == (lo, hi)
+
+
+@SETTINGS
+@given(masks, st.lists(st.tuples(st.integers(-1, 30), st.integers(0, 31), st.integers(1, 31)), min_size=1, max_size=6))
+def test_visible_ranges_are_elementwise_over_any_mix_of_ints_and_tensors(mask, rows):
+    """The hull functions take ints or int64 tensors in any mix (schedules pass a piece's
+    ``start - 1``, a scalar length, a column of lengths), the unbounded sides' shortcuts included."""
+    for fn in (mask.visible_keys, mask.visible_queries):
+        for mix in itertools.product((False, True), repeat=3):
+            if not any(mix):
+                continue
+            # an int argument is the first row's value, for every row
+            fixed = [[r[k] if mix[k] else rows[0][k] for k in range(3)] for r in rows]
+            want = [tuple(int(v) for v in fn(*r)) for r in fixed]
+            args = [torch.tensor([r[k] for r in fixed], dtype=torch.int64) if mix[k] else rows[0][k] for k in range(3)]
+            # a tensor, or an int where only int arguments decide it
+            lo, hi = (torch.as_tensor(v).expand(len(rows)) for v in fn(*args))
+            assert list(zip(lo.tolist(), hi.tolist(), strict=True)) == want
 
 
 @pytest.mark.parametrize("length", [2**24, 2**31 + 7, 3 * 10**9])

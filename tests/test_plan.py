@@ -690,7 +690,8 @@ def test_balanced_fills_a_big_document_with_a_window():
     ([0, 1], [0, 1], [0, 0], [4, 3]),  # token 4 of document 0 held by nobody
     ([0, 1, 1], [0, 0, 1], [0, 4, 0], [5, 5, 3]),  # token 4 of document 0 held twice
     ([0, 1], [0, 1], [0, 1], [6, 3]),  # a piece past its document's end (the totals still add up)
-], ids=["gap", "overlap", "past-end"])
+    ([0, 1, 1], [0, 1, 1], [0, -1, 2], [4, 2, 3]),  # a piece reaching back into the previous document
+], ids=["gap", "overlap", "past-end", "before-start"])
 def test_plan_refuses_pieces_that_do_not_tile_the_stream(monkeypatch, pieces):
     """The partition guard of :func:`plan` (stream offsets shared with the schedules) turns a
     strategy bug into an error instead of a plan that drops or doubles tokens."""
@@ -706,14 +707,14 @@ def test_bisection_plan_partitions_the_stream(case):
     """The recursive bisection planner on any layout (zero-length and 1-token documents, T < N,
     one document), every variant (head shares, windows, late heads) solved in one pass: each
     plan's pieces tile the stream, tokens per rank within one."""
-    from doccp.plan import Plan, _check_partition
+    from doccp.plan import Plan, _partitions
     lengths, n, mask = case
     layout = DocLayout.from_lengths(lengths)
     if layout.num_tokens == 0:
         return
     for pieces in balanced._bisection_plans(layout, n, mask, _whole(layout, n, mask), BISECTIONS):
         p = Plan(layout, n, mask, "balanced", pieces.stream_normalized())
-        _check_partition(p)
+        assert _partitions(p)
         assert max(p.local_sizes) - min(p.local_sizes) <= 1
         assert owners(p).ge(0).all()
 

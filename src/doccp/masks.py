@@ -124,7 +124,8 @@ class Mask(ABC):
     @abstractmethod
     def visible_keys(self, q_start: Ints, q_end: Ints, doc_len: Ints) -> tuple[Ints, Ints]:
         """Key range ``[lo, hi)`` seen by any query in ``[q_start, q_end)`` of a document of
-        ``doc_len`` tokens (elementwise on ints or int64 tensors; empty: ``hi <= lo``)."""
+        ``doc_len`` tokens (elementwise on ints or int64 tensors; empty: ``hi <= lo``). Like every
+        range function here, the results may be the arguments themselves: read them, never write."""
 
     @abstractmethod
     def visible_queries(self, k_start: Ints, k_end: Ints, doc_len: Ints) -> tuple[Ints, Ints]:
@@ -204,10 +205,10 @@ class BandMask(Mask):
         return (d >= -self.left_bound) & (d <= self.right_bound)
 
     def visible_keys(self, q_start, q_end, doc_len):
-        return _maximum(q_start - self.left_bound, 0), _minimum(q_end + self.right_bound, doc_len)
+        return _reach_down(q_start, self.left), _reach_up(q_end, self.right, doc_len)
 
     def visible_queries(self, k_start, k_end, doc_len):
-        return _maximum(k_start - self.right_bound, 0), _minimum(k_end + self.left_bound, doc_len)
+        return _reach_down(k_start, self.right), _reach_up(k_end, self.left, doc_len)
 
     def pairs(self, q_start, q_end, k_start, k_end):
         """``#{(i, j): q_start <= i < q_end, k_start <= j < k_end, -left <= j - i <= right}``."""
@@ -317,6 +318,25 @@ def _ramp_sum(z: torch.Tensor, nk: torch.Tensor) -> torch.Tensor:
     z = torch.clamp(torch.as_tensor(z, dtype=torch.int64), min=0)
     zc = torch.minimum(z, nk + 1)
     return zc * (zc - 1) // 2 + (z - zc) * nk
+
+
+def _reach_down(x, side: int | None):
+    """``max(x - side, 0)``; an unbounded side reaches 0 (no arithmetic on host tables: causal
+    and full masks are the hot path of every schedule)."""
+    if side is None:
+        return torch.zeros_like(x) if isinstance(x, torch.Tensor) else 0
+    return _maximum(x - side if side else x, 0)
+
+
+def _reach_up(x, side: int | None, limit):
+    """``min(x + side, limit)``; an unbounded side reaches ``limit`` (shaped like the two)."""
+    if side is not None:
+        return _minimum(x + side if side else x, limit)
+    if not isinstance(x, torch.Tensor) and not isinstance(limit, torch.Tensor):
+        return limit
+    x, limit = torch.as_tensor(x), torch.as_tensor(limit)
+    return limit if x.shape == limit.shape else torch.broadcast_to(limit, torch.broadcast_shapes(x.shape, limit.shape)
+                                                                   ).contiguous()
 
 
 def _maximum(a, b):

@@ -60,18 +60,21 @@ def ring_blocks(plan: Plan) -> tuple[Pieces, torch.Tensor, torch.Tensor]:
         return _blocks_of[plan]
     p, mask = plan.stream_pieces, plan.mask
     length = take(plan.layout.lengths, p.doc)
-    before = mask.visible_keys(p.start - 1, p.start, length)[1]
     after = mask.visible_keys(p.end, p.end + 1, length)[0]
-    head_end = torch.where(p.start > 0, torch.minimum(p.end, torch.maximum(before, p.start)), p.start)
     tail_start = torch.where(p.end < length, torch.maximum(p.start, torch.minimum(after, p.end)), p.end)
-    joined = head_end >= tail_start
-    head = p.start, torch.where(joined, p.end, head_end)
-    tail = torch.where(joined, p.end, tail_start), p.end
-    used = [part for part in (head, tail) if bool((part[1] > part[0]).any())]
-    if len(used) == 2:  # a piece may have two parts: two entries per piece, in stream order
+    used = []
+    if mask.looks_ahead:  # else query a - 1 sees no key from a on: no piece has a head part
+        before = mask.visible_keys(p.start - 1, p.start, length)[1]
+        head_end = torch.where(p.start > 0, torch.minimum(p.end, torch.maximum(before, p.start)), p.start)
+        joined = head_end >= tail_start
+        head = p.start, torch.where(joined, p.end, head_end)
+        tail_start = torch.where(joined, p.end, tail_start)
+        used = [head] if bool((head[1] > head[0]).any()) else []
+    tail = tail_start, p.end
+    if used and bool((tail[1] > tail[0]).any()):  # a piece may have two parts: two entries per piece
         lo, hi = torch.stack([head[0], tail[0]], 1), torch.stack([head[1], tail[1]], 1)
         rank, doc = (x[:, None].expand_as(lo).reshape(-1) for x in (p.rank, p.doc))
-    else:  # no piece has two parts (causal: they join): one entry per piece
+    else:  # one part per piece at most (causal: the tail, which may be all of it)
         (lo, hi), rank, doc = (used or [tail])[0], p.rank, p.doc
     row = plan.rank_offsets(hi - lo).reshape(-1)
     lo, hi = lo.reshape(-1), hi.reshape(-1)
@@ -126,10 +129,10 @@ class RingKV(Algorithm):
         home = q.slices_against(q, plan.mask)
         i, j, g0, g1 = overlaps(*geo.visible_bounds(), b0, b1)
         step = (me - take(blocks.rank, j)) % n
+        order = stable_order(step, n)
+        i, j, g0, g1, step = (take(x, order) for x in (i, j, g0, g1, step))
         key_row, key_pos = take(block_row, j) + (g0 - take(b0, j)), g0 - take(geo.local_base, i)
-        order = stable_order(step, n)  # gathers from big tables stay in stream order
-        i, key_row, key_pos, key_len, step = (take(x, order) for x in (i, key_row, key_pos, g1 - g0, step))
-        visiting, kept = paired(q.row, q.pos, q.length, i, key_row, key_pos, key_len, plan.mask)
+        visiting, kept = paired(q.row, q.pos, q.length, i, key_row, key_pos, g1 - g0, plan.mask, keys_seen=True)
         counts = torch.bincount(take(step, kept), minlength=n).tolist()
         steps = [Slices(*cols) for cols in zip(*(torch.split(getattr(visiting, f), counts) for f in FIELDS),
                                                strict=True)]

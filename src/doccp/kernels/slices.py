@@ -95,7 +95,7 @@ def pair_slices(q_doc: torch.Tensor, q_row: torch.Tensor, q_pos: torch.Tensor, q
 
 
 def paired(q_row: torch.Tensor, q_pos: torch.Tensor, q_len: torch.Tensor, qi: torch.Tensor,
-           k_row: torch.Tensor, k_pos: torch.Tensor, k_len: torch.Tensor, mask: Mask
+           k_row: torch.Tensor, k_pos: torch.Tensor, k_len: torch.Tensor, mask: Mask, keys_seen: bool = False
            ) -> tuple[Slices, torch.Tensor | None]:
     """The slice of query segment ``qi[e]`` against key segment ``e`` (one document's), for every
     pair ``e``, trimmed to the rows and keys that can see each other (hulls: the kernels mask
@@ -104,17 +104,22 @@ def paired(q_row: torch.Tensor, q_pos: torch.Tensor, q_len: torch.Tensor, qi: to
     (the ring: which rank's block the keys are in).
 
     Callers find the pairs their own way: :func:`pair_slices` by a join on the document, the ring
-    by overlapping each query piece's visible keys with the blocks."""
+    by overlapping each query piece's visible keys with the blocks (``keys_seen``: every key of a
+    pair is seen by some query of its segment, as all keys within a segment's hull are; only the
+    queries are trimmed)."""
     qp0 = take(q_pos, qi)
     qp1, kp1 = qp0 + take(q_len, qi), k_pos + k_len
-    lo, hi = mask.visible_keys(qp0, qp1, kp1)
-    lo = torch.maximum(lo, k_pos)
+    if keys_seen:
+        lo, hi = k_pos, kp1
+    else:
+        lo, hi = mask.visible_keys(qp0, qp1, kp1)
+        lo = torch.maximum(lo, k_pos)
     qlo, qhi = mask.visible_queries(lo, hi, qp1)
     qlo, qhi = torch.maximum(qp0, qlo), torch.minimum(qp1, qhi)
-    index = index_of((hi > lo) & (qhi > qlo))
+    index = index_of(qhi > qlo if keys_seen else (hi > lo) & (qhi > qlo))
     qi, lo, hi, qlo, qhi = (take(t, index) for t in (qi, lo, hi, qlo, qhi))
-    q0 = take(q_row, qi) + (qlo - take(q_pos, qi))
-    k0 = take(k_row, index) + (lo - take(k_pos, index))
+    q0 = take(q_row - q_pos, qi) + qlo  # buffer row of position qlo (per segment: row - position)
+    k0 = take(k_row, index) if keys_seen else take(k_row - k_pos, index) + lo
     return Slices(q0, q0 + (qhi - qlo), k0, k0 + (hi - lo), qlo, lo), index
 
 

@@ -64,21 +64,29 @@ def plan(layout: DocLayout, world_size: int, mask: Mask | None = None,
         raise TypeError(f"mask must be a doccp.Mask, got {type(mask).__name__}")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
-    pieces = STRATEGIES[strategy](layout, world_size, mask).stream_normalized()
+    pieces = STRATEGIES[strategy](layout, world_size, mask)
     result = Plan(layout, world_size, mask, strategy, pieces)
-    _check_partition(result)
+    if not _partitions(result, normalized=True):  # strategies that emit normalized pieces skip the sort
+        result = Plan(layout, world_size, mask, strategy, pieces.stream_normalized())
+        if not _partitions(result):
+            raise RuntimeError(f"strategy {strategy!r} did not partition the stream (a bug in doccp.plan)")
     return result
 
 
-def _check_partition(plan: Plan) -> None:
-    """Pieces in stream order must tile the stream exactly (O(pieces); guards the strategies)."""
-    p, layout, strategy = plan.stream_pieces, plan.layout, plan.strategy
+def _partitions(plan: Plan, normalized: bool = False) -> bool:
+    """Whether the plan's pieces, read in the order given, tile the stream exactly (O(pieces);
+    guards the strategies); with ``normalized``, also that no piece is empty and no two touching
+    pieces of one document share a rank (:meth:`Pieces.stream_normalized` would change nothing)."""
+    p, layout = plan.stream_pieces, plan.layout
+    if layout.num_tokens == 0 or len(p) == 0:
+        return len(p) == 0 and layout.num_tokens == 0
     g0, g1 = plan.stream_bounds
-    ok = len(p) == 0 if layout.num_tokens == 0 else (
-        int(g0[0]) == 0 and int(g1[-1]) == layout.num_tokens and bool((g0[1:] == g1[:-1]).all())
-        and bool((p.end <= take(layout.lengths, p.doc)).all()))
-    if not ok:
-        raise RuntimeError(f"strategy {strategy!r} did not partition the stream (a bug in doccp.plan)")
+    ok = (int(g0[0]) == 0 and int(g1[-1]) == layout.num_tokens and bool((g0[1:] == g1[:-1]).all())
+          and bool((p.start >= 0).all()) and bool((p.end <= take(layout.lengths, p.doc)).all()))
+    if ok and normalized:
+        ok = bool((p.end > p.start).all()) and not bool(
+            ((p.rank[1:] == p.rank[:-1]) & (p.doc[1:] == p.doc[:-1])).any())
+    return ok
 
 
 @dataclass(frozen=True)

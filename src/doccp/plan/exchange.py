@@ -74,11 +74,23 @@ def visible_intervals(pieces: Pieces, lengths: torch.Tensor, mask: Mask, order: 
 
 def overlaps(lo: torch.Tensor, hi: torch.Tensor, table_lo: torch.Tensor, table_hi: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every overlap of intervals ``[lo, hi)`` with the sorted, disjoint intervals of a table:
-    ``(i, j, start, end)`` rows, ordered by ``i`` then ``j``. O((queries + rows) log table)."""
+    """Every overlap of intervals ``[lo, hi)`` with the sorted, disjoint, non-empty intervals of a
+    table: ``(i, j, start, end)`` rows, ordered by ``i`` then ``j``. O((queries + rows) log table).
+
+    A query's rows are one run of the table and only the run's first and last row can stick out
+    of the query, so only those are clipped (a gather per run, not per row) and no row is empty."""
     first = torch.searchsorted(table_hi, lo, right=True)
-    count = (torch.searchsorted(table_lo, hi, right=False) - first).clamp(min=0)
-    return _clipped(lo, hi, table_lo, table_hi, first, count)
+    count = torch.where(hi > lo, torch.searchsorted(table_lo, hi, right=False) - first, 0).clamp(min=0)
+    total = int(count.sum())
+    i = repeat(torch.arange(lo.numel()), count, total)
+    j = expand(first, count)
+    start, end = take(table_lo, j), take(table_hi, j)
+    runs = torch.nonzero(count).squeeze(1)
+    head = take(torch.cumsum(count, 0) - count, runs)  # each run's first row
+    tail = head + take(count, runs) - 1
+    start.scatter_(0, head, torch.maximum(take(start, head), take(lo, runs)))
+    end.scatter_(0, tail, torch.minimum(take(end, tail), take(hi, runs)))
+    return i, j, start, end
 
 
 def document_overlaps(doc: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, table: Pieces, num_docs: int

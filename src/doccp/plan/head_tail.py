@@ -16,7 +16,8 @@ documents and no rank collects one extra token per document.
 
 The pieces are emitted in stream order and only the non-empty chunks are built: a document
 shorter than 2N has ``L`` one-token chunks, not 2N, so the cost is O(pieces), never
-O(documents x N).
+O(documents x N). Chunks N - 1 and N (both rank N - 1's) are emitted as one piece, so the
+pieces come out normalized and :func:`~doccp.plan.plan` has nothing to sort or merge.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan.pieces import Pieces
-from doccp.ranges import expand, repeat, take
+from doccp.ranges import expand, index_of, repeat, take
 
 
 def head_tail(layout: DocLayout, world_size: int, mask: Mask | None = None) -> Pieces:
@@ -57,5 +58,10 @@ def head_tail(layout: DocLayout, world_size: int, mask: Mask | None = None) -> P
     rank = torch.where(head, chunk, 2 * n - 1 - chunk)
     slot = (rank - take(cursor, doc)) % n
     size = take(base, doc) + (torch.where(head, slot, slot + n) < take(rem, doc)).long()
-    end = torch.cumsum(size, 0) - take(layout.cu_seqlens, doc)  # the chunks tile the stream
+    # Chunks N - 1 and N are both rank N - 1's and touch: one piece (chunk N comes only right
+    # after chunk N - 1: a document with a tail chunk has all N head chunks).
+    middle = index_of(chunk != n)
+    size[:-1] += torch.where(chunk[1:] == n, size[1:], 0)
+    rank, doc, size = take(rank, middle), take(doc, middle), take(size, middle)
+    end = torch.cumsum(size, 0) - take(layout.cu_seqlens, doc)  # the pieces tile the stream
     return Pieces(rank, doc, end - size, end)
