@@ -272,6 +272,17 @@ def test_head_tail_matches_its_formula(case):
     assert [p.indices(r).tolist() for r in range(n)] == head_tail_reference(lengths, n)
 
 
+@SETTINGS
+@given(st.integers(1, 16).flatmap(lambda n: st.tuples(st.just(n), layouts(n))))
+def test_head_tail_emits_normalized_pieces(case):
+    """head_tail's pieces come out as plan() keeps them (no empty piece, stream order, rank
+    N - 1's two middle chunks as one piece), so planning skips the sort and merge."""
+    n, lengths = case
+    pieces = STRATEGIES["head_tail"](DocLayout.from_lengths(lengths), n, Mask.causal())
+    normalized = pieces.stream_normalized()
+    assert all(getattr(pieces, f).tolist() == getattr(normalized, f).tolist() for f in ("rank", "doc", "start", "end"))
+
+
 def test_head_tail_spreads_remainders():
     """Seed 000 gave every remainder token to rank 0; rotating them keeps totals equal."""
     p = plan(DocLayout.from_lengths([5] * 8), 2, strategy="head_tail")
