@@ -140,6 +140,20 @@ def test_pairs_exact_for_huge_documents(length):
     assert int(Mask.full().pairs(0, n, 0, n)) == n * n
     assert int(Mask.sliding_window(10).pairs(0, n, 0, n)) == 11 * n - 55
     assert int(Mask(None, 5).pairs(0, n, 0, n)) == n * (n + 1) // 2 + 5 * n - 15
+    for mask in (Mask.causal(), Mask.full(), Mask.sliding_window(10)):
+        assert int(mask.row_work(0, n, n)) == int(mask.pairs(0, n, 0, n))
+        assert int(mask.row_work(n - 7, n, n)) == int(mask.pairs(n - 7, n, 0, n))
+
+
+@SETTINGS
+@given(masks, st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=8))
+def test_row_work_is_the_pairs_of_rows_with_their_whole_document(mask, rows):
+    """The planners' shortcut (causal: triangle numbers, full: a rectangle) against the general
+    pair count, on any rows within their document (empty and reversed ranges count 0)."""
+    rows = [(min(a, n), min(b, n), n) for a, b, n in rows]
+    q0, q1, n = (torch.tensor(c, dtype=torch.int64) for c in zip(*rows, strict=True))
+    assert mask.row_work(q0, q1, n).tolist() == mask.pairs(q0, q1, 0, n).tolist()
+    assert [int(mask.row_work(a, b, c)) for a, b, c in rows] == mask.pairs(q0, q1, 0, n).tolist()
 
 
 # -- the protocol, for every kind of mask ------------------------------------------------

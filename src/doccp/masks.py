@@ -136,6 +136,13 @@ class Mask(ABC):
         """Exact number of visible (query, key) pairs between two ranges of one document, in
         closed form (O(1) per range pair, elementwise over int64 tensors or ints)."""
 
+    def row_work(self, q_start: Ints, q_end: Ints, doc_len: Ints) -> torch.Tensor:
+        """Pairs of the query rows ``[q_start, q_end)`` (within their document) with every key of
+        their document of ``doc_len`` tokens: the work a rank does for them, what the planners
+        balance. ``pairs(q_start, q_end, 0, doc_len)``, in fewer steps where the mask allows (the
+        planners evaluate it for every candidate cut)."""
+        return self.pairs(q_start, q_end, 0, doc_len)
+
     @abstractmethod
     def bands(self, slices):
         """``[(slices, band), ...]``: the same pairs as ``slices`` under this mask, as slices under
@@ -220,6 +227,15 @@ class BandMask(Mask):
             return upper
         lower = _pairs_below(nq, nk, -self.left_bound - 1 - (ks - qs))
         return upper - lower
+
+    def row_work(self, q_start, q_end, doc_len):
+        if not (self.is_causal or self.is_full):
+            return super().row_work(q_start, q_end, doc_len)
+        qs, qe = (torch.as_tensor(x, dtype=torch.int64) for x in (q_start, q_end))
+        qe = torch.maximum(qe, qs)
+        if self.is_full:
+            return (qe - qs) * torch.as_tensor(doc_len, dtype=torch.int64)
+        return (qe * (qe + 1) - qs * (qs + 1)) >> 1  # causal: row i sees its i + 1 first keys
 
     def bands(self, slices):
         return [(slices, self)]

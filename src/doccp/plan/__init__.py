@@ -243,7 +243,7 @@ class Plan:
     def work(self) -> list[int]:
         """Mask pairs each rank's queries attend (the work the strategies balance)."""
         p = self.stream_pieces
-        pairs = self.mask.pairs(p.start, p.end, 0, take(self.layout.lengths, p.doc))
+        pairs = self.mask.row_work(p.start, p.end, take(self.layout.lengths, p.doc))
         return torch.zeros(self.world_size, dtype=torch.int64).index_add_(0, p.rank, pairs).tolist()
 
     # -- communication -------------------------------------------------------------------

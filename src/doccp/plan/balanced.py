@@ -190,7 +190,7 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     n, lengths = world_size, layout.lengths
     if n == 1 or layout.num_tokens == 0:
         return Pieces.of(0, torch.arange(layout.num_docs), 0, lengths)
-    doc_work = mask.pairs(0, lengths, 0, lengths)
+    doc_work = mask.row_work(0, lengths, lengths)
     rank_tokens = -(-layout.num_tokens // n)
     whole = (lengths <= rank_tokens) & (doc_work.double() <= float(doc_work.sum()) / n)
     best, best_score, attempts = None, None, 0
@@ -391,7 +391,7 @@ def _score(pieces: Pieces, layout: DocLayout, n: int, mask: Mask, whole: torch.T
     what the planner minimises, in that order; and which pieces cut such documents."""
     lengths = layout.lengths
     work = torch.zeros(n, dtype=torch.float64).index_add_(
-        0, pieces.rank, mask.pairs(pieces.start, pieces.end, 0, lengths[pieces.doc]).double())
+        0, pieces.rank, mask.row_work(pieces.start, pieces.end, lengths[pieces.doc]).double())
     spread = float(work.max()) / max(float(work.mean()), 1.0)
     p = pieces.normalized()
     seen = visible_intervals(p, lengths, mask)
@@ -552,7 +552,7 @@ def _bisection_plans(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor,
         parts += [Pieces.of(i, doc, head_end[doc], lengths[doc]), Pieces.of(i, heads, 0, head_end[heads])]
         head += [torch.zeros(doc.numel(), dtype=torch.bool), torch.ones(heads.numel(), dtype=torch.bool)]
     chunks, head = Pieces.cat(parts), torch.cat(head)
-    slack = SNAP_SLACK * float(mask.pairs(0, lengths, 0, lengths).sum()) / n
+    slack = SNAP_SLACK * float(mask.row_work(0, lengths, lengths).sum()) / n
     while bool((count > 1).any()):
         if bool(late.any()):  # groups of two ranks: each big document's chunk gives its head to the back
             group_variant = variant[chunks.rank]
@@ -763,7 +763,7 @@ class Sequence:
         of a cut that could be avoided, beyond any KV (default: one plan's tokens)."""
         self.mask = mask
         doc_len = lengths[doc]
-        work = mask.pairs(start, end, 0, doc_len)
+        work = mask.row_work(start, end, doc_len)
         order = torch.argsort(work.double() / (end - start).clamp(min=1).double(), descending=True, stable=True)
         for key in (last, group if groups > 1 else None):
             if key is not None:
@@ -822,7 +822,7 @@ class Sequence:
         """Work of the first ``x`` tokens of the sequence (float64)."""
         i, o = self.locate(x)
         end = self.start[i] + self.lengths[i]
-        return self.cu_work[i] + self.mask.pairs(end - o, end, 0, self.doc_len[i]).double()
+        return self.cu_work[i] + self.mask.row_work(end - o, end, self.doc_len[i]).double()
 
     def held(self, x: torch.Tensor, k: torch.Tensor, g: torch.Tensor | None = None,
              u: torch.Tensor | None = None) -> torch.Tensor:

@@ -141,7 +141,7 @@ class _Figures:
         lengths = layout.lengths
         self.world_size, self.mask, self.total = world_size, mask, layout.num_tokens
         self.floor_tokens, self.cap_tokens = self.total // world_size, -(-self.total // world_size)
-        self.cap_work = tolerance * float(mask.pairs(0, lengths, 0, lengths).sum()) / world_size
+        self.cap_work = tolerance * float(mask.row_work(0, lengths, lengths).sum()) / world_size
         self.distinct, self.copies = torch.unique(lengths[lengths > 0], return_counts=True)
         self.width = int(self.distinct.max()) + 1  # no row sees more keys than its document has
         self.costs = {length: mask.row_costs(length) for length in self.distinct.tolist()}
@@ -149,7 +149,7 @@ class _Figures:
         for length, k in zip(self.distinct.tolist(), self.copies.tolist(), strict=True):
             self.everyone += k * torch.bincount(self.costs[length], minlength=self.width)
         self.every_row = _Pool.of_histogram(self.everyone)
-        mean = mask.pairs(0, self.distinct, 0, self.distinct).double() / self.distinct
+        mean = mask.row_work(0, self.distinct, self.distinct).double() / self.distinct
         self.by_mean = torch.argsort(mean)
         self.mean = mean[self.by_mean]
         self.longest_top = int(self.costs[int(self.distinct[-1])][-1])  # every K above it is allowed
