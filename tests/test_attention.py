@@ -229,21 +229,25 @@ def test_attention_bisection_plans(world_size, lengths, masks, late):
     check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
 
 
-@pytest.mark.parametrize("world_size, lengths, masks", [
-    (2, [3, 12, 7, 1, 12, 1, 1, 20, 12, 31, 12, 0, 12, 1], [Mask.causal()]),
-    (3, [1, 20, 20, 3, 12, 3, 20, 31, 7, 31, 0, 31, 1, 12], [Mask.causal(), Mask.sliding_window(5)]),
-])
-def test_attention_packed_plans(monkeypatch, world_size, lengths, masks):
+@pytest.mark.parametrize("world_size, lengths, masks, without", [
+    (2, [3, 12, 7, 1, 12, 1, 1, 20, 12, 31, 12, 0, 12, 1], [Mask.causal()], ("PACK_RANKS", 0)),
+    (3, [1, 20, 20, 3, 12, 3, 20, 31, 7, 31, 0, 31, 1, 12], [Mask.causal(), Mask.sliding_window(5)],
+     ("PACK_RANKS", 0)),
+    (2, [6, 1, 8, 1, 2, 2, 0, 47, 1], [Mask.causal()], ("PACK_HEAD_RESERVE", ())),
+    (3, [42, 1, 1, 1, 5, 2, 0], [Mask.causal()], ("PACK_HEAD_RESERVE", ())),
+], ids=["packing-2", "packing-3", "head-back-packing-2", "head-back-packing-3"])
+def test_attention_packed_plans(monkeypatch, world_size, lengths, masks, without):
     """Plans of the balanced planner's packings (whole documents pinned to ranks, a reserve of
-    short ones shared out) at N = 2 and odd N, with zero-length and 1-token documents."""
+    short ones shared out; last two: with a big document's head at the back, so each rank holds a
+    run of its tail and one of its head) at N = 2 and odd N, with zero-length and 1-token documents."""
     import importlib
     balanced = importlib.import_module("doccp.plan.balanced")
     layout = DocLayout.from_lengths(lengths)
     packed = [max(doccp.plan(layout, world_size, mask).stats().kv_recv) for mask in masks]
     with monkeypatch.context() as m:
-        m.setattr(balanced, "PACK_RANKS", 0)
+        m.setattr(balanced, *without)
         unpacked = [max(doccp.plan(layout, world_size, mask).stats().kv_recv) for mask in masks]
-    assert all(a < b for a, b in zip(packed, unpacked, strict=True))  # the plans under test are packings
+    assert all(a < b for a, b in zip(packed, unpacked, strict=True))  # the plans under test are such packings
     cases = [(lengths, "balanced", mask, algorithm, i)
              for i, (mask, algorithm) in enumerate(itertools.product(masks, ALGORITHMS))]
     check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)

@@ -167,6 +167,12 @@ PACK_DOCS = 512
 #: sequence (tried in turn): the ranks holding its tail then hold its head too and receive only
 #: the middle (one document of 57% of the tokens over 2 ranks: 47% of an all-gather, not 79%).
 HEAD_BACK = (0.2, 0.4)
+#: The reserves also tried with the heads of documents too big to stay whole at the back of the
+#: sequence (each :data:`HEAD_BACK` share): every rank then takes a run of such a document's tail
+#: from the front and one of its head from the back, and whole documents fill it up (pareto mix,
+#: 4 ranks, one document of 57% of the tokens: 0.555 -> 0.522 of an all-gather; pretrain, 4 ranks:
+#: 0.494 -> 0.447). Two of the four: the other two found no better plan on the benchmark's layouts.
+PACK_HEAD_RESERVE = (0.1, 0.35)
 
 
 class Chunking(NamedTuple):
@@ -206,7 +212,11 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
                   for (head_back, late), window in itertools.product(BISECT_HEAD_BACK, BISECT_WINDOW)
                   if (n <= WINDOW_RANKS if window else n > 2)  # two ranks, no window: the sequence plan
                   and (n <= LATE_HEAD_RANKS or not late)]
-    packings = [Chunking(0, reserve=r) for r in PACK_RESERVE] if n <= PACK_RANKS and bool(whole.any()) else []
+    # Packings: the sequence shares out the reserve and the documents too big to stay whole, these
+    # also with their heads at the back (each rank then holds a run of a tail and one of its head).
+    heads = [(h, r) for h in HEAD_BACK for r in PACK_HEAD_RESERVE] if not bool(whole.all()) else []
+    packings = ([Chunking(0, h, reserve=r) for h, r in [*((0.0, r) for r in PACK_RESERVE), *heads]]
+                if n <= PACK_RANKS and bool(whole.any()) else [])
     bisected: dict[Chunking, Pieces] = {}
     solved: dict[tuple, tuple | None] = {}  # (chunking, pinned) -> (pieces, score, cut), solved ahead
 
@@ -271,9 +281,11 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
         return plans * most_chunks <= LOCKSTEP_CHUNKS and (plans * (n - 1) << depth) <= SOLVE_POINTS
 
     probes = [*chunkings[:2], *([Chunking(0, h) for h in HEAD_BACK] if not bool(whole.all()) else [])]
-    if ahead(len(probes) + len(packings)):  # the first probes in one pass (the packings with them),
+    # The first probes in one pass, the packings with them (a bisection step shallower per call:
+    # they are many), else the head-at-back ones ahead.
+    if ahead(len(probes) + len(packings), SOLVE_LEVELS - 1):
         solve_ahead([(c, first_pins(c)) for c in (*probes, *packings)])
-    elif ahead(len(probes)):  # the head-at-back ones ahead
+    elif ahead(len(probes)):
         solve_ahead([(c, first_pins(c)) for c in probes])
     for chunks, pin_to, probe, chains in variants():
         # A pinning pass on a small layout with a long search ahead (few cut documents: a larger
@@ -305,7 +317,7 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     # The packings last (solved with the first probes): they compete with the search's best but
     # never end it early, so a plan the search finds is never lost to one.
     unsolved = [(c, first_pins(c)) for c in packings if (c, first_pins(c).numpy().tobytes()) not in solved]
-    if unsolved and ahead(len(unsolved)):
+    if unsolved and ahead(len(unsolved), 1):  # one pass, however few bisection steps each call then takes
         solve_ahead(unsolved)
     for chunks in packings:
         result = solve(chunks, first_pins(chunks))
