@@ -47,7 +47,11 @@ can balance it by themselves. A *packing* (:func:`_packings`) pins documents who
 heaviest first, each to the rank with the most work left to fill among those it fits, and holds
 back a reserve of the lightest documents (a share of the tokens) for the sequence to share out:
 it then cuts only short documents, for a few tokens of KV where the sequence alone cuts long
-ones (pretrain mix, 2 ranks: 0.2% of an all-gather instead of 12%). Each reserve share is one
+ones (pretrain mix, 2 ranks: 0.2% of an all-gather instead of 12%). Where a document is too big
+to stay whole, packings are also tried with its head at the back of the sequence: every rank then
+takes a run of its tail from the front and one of its head from the back, next to the whole
+documents pinned to it (one document of 57% of the tokens over 4 ranks: 52% of an all-gather
+received instead of 56%). Each reserve share is one
 more plan, solved with the first probes and scored against the search's best at its end (it
 never ends the search early: pinning passes may still find less KV). Where nothing balances (a
 few documents of a few tokens per rank can defeat every cut), the plan is head_tail's, which
