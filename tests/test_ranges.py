@@ -55,8 +55,9 @@ def _table(pieces):
 
 @SETTINGS
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(1, 4)), max_size=8),
-       st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12), st.integers(0, 6)), max_size=8))
-def test_overlaps_find_every_intersection_in_query_then_table_order(table, queries):
+       st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12), st.integers(0, 6)), max_size=8),
+       st.tuples(st.integers(0, 8), st.integers(0, 8)))
+def test_overlaps_find_every_intersection_in_query_then_table_order(table, queries, skip):
     table = _table(table)
     want = [(i, j, max(lo, a), min(lo + n, b)) for i, (d, lo, n) in enumerate(queries)
             for j, (e, a, b) in enumerate(table) if d == e and max(lo, a) < min(lo + n, b)]
@@ -64,6 +65,9 @@ def test_overlaps_find_every_intersection_in_query_then_table_order(table, queri
     t = Pieces(*(torch.tensor([x[k] for x in table], dtype=torch.int64) for k in (0, 0, 1, 2)))
     rows = document_overlaps(doc, lo, lo + n, t, num_docs=4)
     assert list(zip(*(c.tolist() for c in rows), strict=True)) == want
+    skipped = range(len(queries))[slice(*skip)]  # queries left out get no rows, the rest the same
+    rows = document_overlaps(doc, lo, lo + n, t, num_docs=4, skip=slice(*skip))
+    assert list(zip(*(c.tolist() for c in rows), strict=True)) == [w for w in want if w[0] not in skipped]
     span = 100  # the same intervals as stream offsets (document d at d * span)
     rows = overlaps(doc * span + lo, doc * span + lo + n, t.doc * span + t.start, t.doc * span + t.end)
     shifted = [(i, j, s + queries[i][0] * span, e + queries[i][0] * span) for i, j, s, e in want]

@@ -24,7 +24,6 @@ from doccp.kernels.runs import Runs
 from doccp.kernels.slices import Slices
 from doccp.plan import Plan
 from doccp.plan.exchange import document_overlaps, overlaps
-from doccp.plan.pieces import Pieces
 from doccp.ranges import expand, offsets_within, take
 
 
@@ -48,21 +47,20 @@ class AllGather(Algorithm):
         # each peer in stream order, after my local rows.
         i, j, g0, g1 = overlaps(*geo.seen_bounds, *plan.stream_bounds)
         src, length = take(plan.stream_pieces.rank, j), g1 - g0
-        remote, own = torch.nonzero(src != me).squeeze(1), torch.nonzero(src == me).squeeze(1)
-        src, remote_length = take(src, remote), take(length, remote)
-        recv_sizes = torch.zeros(n, dtype=torch.int64).index_add_(0, src, remote_length)
+        recv_sizes = torch.zeros(n, dtype=torch.int64).index_add_(0, src, length)
+        recv_sizes[me] = 0
         peer_base = int(geo.local.length.sum()) + torch.cumsum(recv_sizes, 0) - recv_sizes
-        row = torch.empty_like(g0).scatter_(0, remote, take(peer_base, src) + offsets_within(src, remote_length))
+        row = take(peer_base, src).add_(offsets_within(src, length))  # my own parts are local rows:
+        own = torch.nonzero(src == me).squeeze(1)
         own_g0 = take(g0, own)
         piece = torch.searchsorted(geo.local_g0, own_g0, right=True) - 1
         row.scatter_(0, own, take(geo.local_row, piece) + (own_g0 - take(geo.local_g0, piece)))
         arrange = expand(row, length)
         # Send: every other rank's visible keys cut at my pieces, ordered by (peer, doc, start).
         seen = plan.seen  # rank order: mine are one run of it
-        mine = torch.searchsorted(seen.rank, torch.tensor([me, me + 1])).tolist()
-        others = Pieces(*(torch.cat([c[:mine[0]], c[mine[1]:]]) for c in (seen.rank, seen.doc, seen.start, seen.end)))
-        i, j, lo, hi = document_overlaps(others.doc, others.start, others.end, geo.local, plan.layout.num_docs)
-        dst, length = take(others.rank, i), hi - lo
+        mine = slice(*torch.searchsorted(seen.rank, torch.tensor([me, me + 1])).tolist())
+        i, j, lo, hi = document_overlaps(seen.doc, seen.start, seen.end, geo.local, plan.layout.num_docs, skip=mine)
+        dst, length = take(seen.rank, i), hi - lo
         rows = expand(take(geo.local_row, j) + (lo - take(geo.local.start, j)), length)
         send_sizes = torch.zeros(n, dtype=torch.int64).index_add_(0, dst, length)
         send_rows = list(torch.split(rows, send_sizes.tolist()))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -31,7 +32,6 @@ from doccp.kernels.runs import Runs, Work, clip_to_others, keys_seen, work
 from doccp.kernels.slices import FIELDS, Slices, paired
 from doccp.plan import Plan
 from doccp.plan.exchange import overlaps
-from doccp.plan.pieces import Pieces
 from doccp.ranges import index_of, stable_order, take
 
 
@@ -47,9 +47,20 @@ class RingSchedule:
 _blocks_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def ring_blocks(plan: Plan) -> tuple[Pieces, torch.Tensor, torch.Tensor]:
-    """Every rank's ring block in stream order, the row of each block interval within its
-    rank's block, and every rank's block size (cached per plan).
+class RingBlocks(NamedTuple):
+    """Every rank's ring block as intervals in stream order: owner ``rank``, stream offsets
+    ``[g0, g1)``, the ``row`` of each interval within its owner's block; and every rank's block
+    ``sizes``."""
+
+    rank: torch.Tensor
+    g0: torch.Tensor
+    g1: torch.Tensor
+    row: torch.Tensor
+    sizes: torch.Tensor
+
+
+def ring_blocks(plan: Plan) -> RingBlocks:
+    """Every rank's ring block (cached per plan).
 
     Key ``j`` of a piece ``[a, b)`` is needed by another rank iff a foreign query sees it. The
     nearest foreign tokens are ``a - 1`` (when ``a > 0``: pieces of one rank never touch) and
@@ -61,29 +72,35 @@ def ring_blocks(plan: Plan) -> tuple[Pieces, torch.Tensor, torch.Tensor]:
     p, mask = plan.stream_pieces, plan.mask
     length = take(plan.layout.lengths, p.doc)
     after = mask.visible_keys(p.end, p.end + 1, length)[0]
-    tail_start = torch.where(p.end < length, torch.maximum(p.start, torch.minimum(after, p.end)), p.end)
+    tail_start = torch.where(p.end < length, torch.clamp(torch.as_tensor(after), p.start, p.end), p.end)
     used = []
     if mask.looks_ahead:  # else query a - 1 sees no key from a on: no piece has a head part
         before = mask.visible_keys(p.start - 1, p.start, length)[1]
-        head_end = torch.where(p.start > 0, torch.minimum(p.end, torch.maximum(before, p.start)), p.start)
+        head_end = torch.where(p.start > 0, torch.clamp(torch.as_tensor(before), p.start, p.end), p.start)
         joined = head_end >= tail_start
         head = p.start, torch.where(joined, p.end, head_end)
         tail_start = torch.where(joined, p.end, tail_start)
         used = [head] if bool((head[1] > head[0]).any()) else []
     tail = tail_start, p.end
+    g0, g1 = plan.stream_bounds
+    base = g0 - p.start  # each piece's document's stream offset
     if used and bool((tail[1] > tail[0]).any()):  # a piece may have two parts: two entries per piece
         lo, hi = torch.stack([head[0], tail[0]], 1), torch.stack([head[1], tail[1]], 1)
-        rank, doc = (x[:, None].expand_as(lo).reshape(-1) for x in (p.rank, p.doc))
+        rank, base = (x[:, None].expand_as(lo).reshape(-1) for x in (p.rank, base))
+        size = hi - lo
+        lo, hi = base + lo.reshape(-1), base + hi.reshape(-1)
     else:  # one part per piece at most (causal: the tail, which may be all of it)
-        (lo, hi), rank, doc = (used or [tail])[0], p.rank, p.doc
-    row = plan.rank_offsets(hi - lo).reshape(-1)
-    lo, hi = lo.reshape(-1), hi.reshape(-1)
-    keep = index_of(hi > lo)
-    blocks = Pieces(rank, doc, lo, hi).select(keep)
-    row = take(row, keep)
-    sizes = torch.zeros(plan.world_size, dtype=torch.int64).index_add_(0, blocks.rank, blocks.length)
-    _blocks_of[plan] = blocks, row, sizes
-    return blocks, row, sizes
+        (lo, hi), rank = (used or [tail])[0], p.rank
+        size = hi - lo
+        lo = base + lo
+        hi = g1 if hi is p.end else base + hi
+    row = plan.rank_offsets(size).reshape(-1)
+    size = size.reshape(-1)
+    sizes = torch.zeros(plan.world_size, dtype=torch.int64).index_add_(0, rank, size)
+    keep = index_of(size > 0)
+    blocks = RingBlocks(*(take(x, keep) for x in (rank, lo, hi, row)), sizes)
+    _blocks_of[plan] = blocks
+    return blocks
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_rows: torch.Tensor, block_sizes: list[int],
@@ -116,11 +133,11 @@ class RingKV(Algorithm):
 
     def schedule(self, plan: Plan, me: int) -> RingSchedule:
         n, geo = plan.world_size, Geometry(plan, me)
-        blocks, block_row, sizes = ring_blocks(plan)
-        block_base = take(plan.layout.cu_seqlens, blocks.doc)
-        b0, b1 = block_base + blocks.start, block_base + blocks.end
+        blocks = ring_blocks(plan)
+        b0, b1 = blocks.g0, blocks.g1
         mine = torch.nonzero(blocks.rank == me).squeeze(1)
-        own_block_rows = geo.local_rows(take(b0, mine), take(blocks.length, mine))
+        own_b0 = take(b0, mine)
+        own_block_rows = geo.local_rows(own_b0, take(b1, mine) - own_b0)
         # Step 0: my queries against my own rows. Steps 1..N-1 in one table: the keys each local
         # piece sees cut at the blocks (stream order: one binary search per piece), at their rows
         # within their block, ordered by the step their block's owner visits (my own block's
@@ -128,19 +145,23 @@ class RingKV(Algorithm):
         q = geo.runs
         home = q.slices_against(q, plan.mask)
         i, j, g0, g1 = overlaps(*geo.visible_bounds(), b0, b1)
-        step = (me - take(blocks.rank, j)) % n
+        key_row, key_pos = take(blocks.row, j) + (g0 - take(b0, j)), g0 - take(geo.local_base, i)
+        step = take(torch.arange(me, me - n, -1) % n, take(blocks.rank, j))  # (me - owner) % n
         order = stable_order(step, n)
-        i, j, g0, g1, step = (take(x, order) for x in (i, j, g0, g1, step))
-        key_row, key_pos = take(block_row, j) + (g0 - take(b0, j)), g0 - take(geo.local_base, i)
-        visiting, kept = paired(q.row, q.pos, q.length, i, key_row, key_pos, g1 - g0, plan.mask, keys_seen=True)
-        counts = torch.bincount(take(step, kept), minlength=n).tolist()
+        i, key_row, key_pos, key_len = (take(x, order) for x in (i, key_row, key_pos, g1 - g0))
+        visiting, kept = paired(q.row, q.pos, q.length, i, key_row, key_pos, key_len, plan.mask, keys_seen=True)
+        # rows are in step order now: each step's rows end where the cumulative counts say
+        ends = torch.cumsum(torch.bincount(step, minlength=n), 0)
+        if kept is not None:  # (sorted: paired keeps pairs in order)
+            ends = torch.searchsorted(kept, ends)
+        counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
         steps = [Slices(*cols) for cols in zip(*(torch.split(getattr(visiting, f), counts) for f in FIELDS),
                                                strict=True)]
-        return RingSchedule(own_block_rows, sizes.tolist(), [home, *steps[1:]])
+        return RingSchedule(own_block_rows, blocks.sizes.tolist(), [home, *steps[1:]])
 
     def received_bytes(self, plan: Plan, shapes: Shapes) -> list[int]:
         """Every other rank's block visits each rank once."""
-        sizes = ring_blocks(plan)[2].tolist()
+        sizes = ring_blocks(plan).sizes.tolist()
         row = 2 * shapes.kv_heads * shapes.head_dim * shapes.element_bytes
         return [(sum(sizes) - own) * row for own in sizes]
 

@@ -93,15 +93,19 @@ def overlaps(lo: torch.Tensor, hi: torch.Tensor, table_lo: torch.Tensor, table_h
     return i, j, start, end
 
 
-def document_overlaps(doc: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, table: Pieces, num_docs: int
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def document_overlaps(doc: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, table: Pieces, num_docs: int,
+                      skip: slice | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`overlaps` for a table with few pieces per document (one rank's pieces, in stream
     order), queries ``[lo, hi)`` of document ``doc``: each query's candidates are its document's
     pieces, found by a gather from a per-document table rather than binary searches (many queries
-    in no useful order, e.g. every other rank's visible keys, make searches the cost)."""
+    in no useful order, e.g. every other rank's visible keys, make searches the cost). Queries in
+    ``skip`` get no rows (cheaper than cutting them out of the columns)."""
     count_of = torch.bincount(table.doc, minlength=num_docs)
     first_of = torch.cumsum(count_of, 0) - count_of
-    return _clipped(lo, hi, table.start, table.end, take(first_of, doc), take(count_of, doc))
+    count = take(count_of, doc)
+    if skip is not None:
+        count[skip] = 0
+    return _clipped(lo, hi, table.start, table.end, take(first_of, doc), count)
 
 
 def _clipped(lo: torch.Tensor, hi: torch.Tensor, table_lo: torch.Tensor, table_hi: torch.Tensor, first: torch.Tensor,

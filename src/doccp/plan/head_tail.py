@@ -27,7 +27,7 @@ import torch
 from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan.pieces import Pieces
-from doccp.ranges import expand, index_of, repeat, take
+from doccp.ranges import expand, repeat, take
 
 
 def head_tail(layout: DocLayout, world_size: int, mask: Mask | None = None) -> Pieces:
@@ -42,26 +42,28 @@ def head_tail(layout: DocLayout, world_size: int, mask: Mask | None = None) -> P
     short = base == 0
     h = torch.where(short, torch.clamp(lengths, max=n), 0)
     m = torch.where(short, (lengths - n).clamp(min=0), 0)
-    zero = torch.zeros_like(lengths)
-    firsts = torch.stack([zero, cursor, 2 * n - torch.clamp(cursor + m, max=n), 3 * n - cursor - m], 1)
+    # Chunks N - 1 and N are both rank N - 1's and touch: one piece. Chunk N is left out of the
+    # windows and its size added to chunk N - 1's, which is every such document's N-th piece (it
+    # has all N head chunks, ascending).
+    tail_first = torch.clamp(2 * n - torch.clamp(cursor + m, max=n), min=n + 1)
+    firsts = torch.stack([torch.zeros_like(lengths), torch.where(short, cursor, n + 1), tail_first,
+                          3 * n - cursor - m], 1)
     counts = torch.stack([
-        torch.where(short, (cursor + h - n).clamp(min=0), 2 * n),
-        torch.clamp(cursor + h, max=n) - cursor,
-        torch.clamp(cursor + m, max=n) - cursor,
-        (cursor + m - n).clamp(min=0),
+        torch.where(short, (cursor + h - n).clamp(min=0), n),
+        torch.where(short, torch.clamp(cursor + h, max=n) - cursor, n - 1),
+        torch.where(short & (m > 0), 2 * n - cursor - tail_first, 0).clamp(min=0),
+        torch.where(short, cursor + m - n, 0).clamp(min=0),
     ], 1)
-    counts[:, 1:] *= short[:, None]
-    counts[:, 2:] *= (m > 0)[:, None]
+    pieces = counts.sum(1)
     chunk = expand(firsts.reshape(-1), counts.reshape(-1))
-    doc = repeat(torch.arange(lengths.numel()), counts.sum(1))
-    head = chunk < n
-    rank = torch.where(head, chunk, 2 * n - 1 - chunk)
-    slot = (rank - take(cursor, doc)) % n
-    size = take(base, doc) + (torch.where(head, slot, slot + n) < take(rem, doc)).long()
-    # Chunks N - 1 and N are both rank N - 1's and touch: one piece (chunk N comes only right
-    # after chunk N - 1: a document with a tail chunk has all N head chunks).
-    middle = index_of(chunk != n)
-    size[:-1] += torch.where(chunk[1:] == n, size[1:], 0)
-    rank, doc, size = take(rank, middle), take(doc, middle), take(size, middle)
+    doc = repeat(torch.arange(lengths.numel()), pieces)
+    rank = torch.minimum(chunk, (2 * n - 1) - chunk)
+    # the order in which the chunk gets a remainder token: (rank - cursor) mod N, plus N for a tail
+    order = rank - take(cursor, doc)
+    order += torch.where(order < 0, n, 0) + torch.where(chunk >= n, n, 0)
+    size = take(base, doc) + (order < take(rem, doc))
+    middle = base + (((n - 1 - cursor) % n + n) < rem)  # chunk N's size (its order: rank N - 1's + N)
+    has = torch.nonzero(middle).squeeze(1)
+    size.index_add_(0, take(torch.cumsum(pieces, 0) - pieces, has) + (n - 1), take(middle, has))
     end = torch.cumsum(size, 0) - take(layout.cu_seqlens, doc)  # the pieces tile the stream
     return Pieces(rank, doc, end - size, end)
