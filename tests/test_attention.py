@@ -235,11 +235,15 @@ def test_attention_bisection_plans(world_size, lengths, masks, late):
      ("PACK_RANKS", 0)),
     (2, [6, 1, 8, 1, 2, 2, 0, 47, 1], [Mask.causal()], ("PACK_HEAD_RESERVE", ())),
     (3, [42, 1, 1, 1, 5, 2, 0], [Mask.causal()], ("PACK_HEAD_RESERVE", ())),
-], ids=["packing-2", "packing-3", "head-back-packing-2", "head-back-packing-3"])
+    (3, [0, 3, 12, 5, 2, 3, 5, 5, 1, 3], [Mask.causal()], ("PACK_HOSTED_RESERVE", ())),
+    (4, [5, 1, 3, 3, 7, 0, 1, 0, 12], [Mask.causal()], ("PACK_HOSTED_RESERVE", ())),
+], ids=["packing-2", "packing-3", "head-back-packing-2", "head-back-packing-3", "hosted-packing-3",
+        "hosted-packing-4"])
 def test_attention_packed_plans(monkeypatch, world_size, lengths, masks, without):
     """Plans of the balanced planner's packings (whole documents pinned to ranks, a reserve of
-    short ones shared out; last two: with a big document's head at the back, so each rank holds a
-    run of its tail and one of its head) at N = 2 and odd N, with zero-length and 1-token documents."""
+    short ones shared out; then with a big document's head at the back, so each rank holds a run of
+    its tail and one of its head; last two: the big documents hosted by as few ranks as their work
+    needs) at even and odd N, with zero-length and 1-token documents."""
     import importlib
     balanced = importlib.import_module("doccp.plan.balanced")
     layout = DocLayout.from_lengths(lengths)

@@ -564,26 +564,33 @@ def test_third_figure_is_monotone_in_the_keys_allowed(mask):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 400), min_size=1, max_size=40), st.integers(2, 6), st.sampled_from([0.1, 0.35, 0.5]))
-def test_packing_pins_what_fits_and_holds_back_the_lightest_documents(lengths, n, reserve):
+@given(st.lists(st.integers(0, 400), min_size=1, max_size=40), st.integers(2, 6), st.sampled_from([0.1, 0.35, 0.5]),
+       st.integers(0, 3))
+def test_packing_pins_what_fits_and_holds_back_the_lightest_documents(lengths, n, reserve, hosts):
     """The packing pins only documents that can stay whole, outside the reserve (the lightest
     documents holding at most ``reserve`` of the tokens), and never beyond a rank's share of the
-    tokens or of the work: the sequence is left a feasible rest to share out. One pass serves
-    every reserve: each share's pins are those it gets alone."""
+    tokens or of the work, less, on the first ``hosts`` ranks, an equal part of the documents too big
+    to stay whole: the sequence is left a feasible rest to share out. One pass serves every reserve:
+    each share's pins are those it gets alone."""
     from doccp.plan.pieces import even_sizes
     layout = DocLayout.from_lengths(lengths)
     if layout.num_tokens == 0:
         return
     doc_work = Mask.causal().pairs(0, layout.lengths, 0, layout.lengths)
     whole = (layout.lengths <= -(-layout.num_tokens // n)) & (doc_work.double() <= float(doc_work.sum()) / n)
-    pinned = balanced._packings(layout.lengths, doc_work, n, whole, (reserve,))[reserve]
-    assert bool((balanced._packings(layout.lengths, doc_work, n, whole, (0.1, 0.35, 0.5))[reserve] == pinned).all())
+    hosts = min(hosts, n)
+    pinned = balanced._packings(layout.lengths, doc_work, n, whole, (reserve,), hosts)[reserve]
+    assert bool((balanced._packings(layout.lengths, doc_work, n, whole, (0.1, 0.35, 0.5), hosts)[reserve] == pinned
+                 ).all())
     held = pinned >= 0
     assert bool((whole | ~held).all())
     tokens = torch.zeros(n, dtype=torch.int64).index_add_(0, pinned[held], layout.lengths[held])
     work = torch.zeros(n, dtype=torch.float64).index_add_(0, pinned[held], doc_work[held].double())
-    assert bool((tokens <= even_sizes(layout.num_tokens, n)).all())
-    assert bool((work <= float(doc_work.sum()) / n + 1e-6).all())
+    hosting = torch.arange(n) < hosts
+    big_tokens, big_work = int(layout.lengths[~whole].sum()), float(doc_work[~whole].sum())
+    room = (even_sizes(layout.num_tokens, n) - hosting * (big_tokens // max(hosts, 1))).clamp(min=0)
+    assert bool((tokens <= room).all())
+    assert bool((work <= (float(doc_work.sum()) / n - hosting * (big_work / max(hosts, 1))).clamp(min=0) + 1e-6).all())
     heaviest = sorted(range(len(lengths)), key=lambda d: -int(doc_work[d]))  # stable
     lighter = list(itertools.accumulate(lengths[d] for d in reversed(heaviest)))[::-1]
     reserved = [d for d, tokens in zip(heaviest, lighter, strict=True) if tokens <= reserve * layout.num_tokens]

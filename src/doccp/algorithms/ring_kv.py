@@ -87,13 +87,10 @@ def ring_blocks(plan: Plan) -> RingBlocks:
     if used and bool((tail[1] > tail[0]).any()):  # a piece may have two parts: two entries per piece
         lo, hi = torch.stack([head[0], tail[0]], 1), torch.stack([head[1], tail[1]], 1)
         rank, base = (x[:, None].expand_as(lo).reshape(-1) for x in (p.rank, base))
-        size = hi - lo
-        lo, hi = base + lo.reshape(-1), base + hi.reshape(-1)
     else:  # one part per piece at most (causal: the tail, which may be all of it)
         (lo, hi), rank = (used or [tail])[0], p.rank
-        size = hi - lo
-        lo = base + lo
-        hi = g1 if hi is p.end else base + hi
+    size = hi - lo
+    lo, hi = base + lo.reshape(-1), g1 if hi is p.end else base + hi.reshape(-1)
     row = plan.rank_offsets(size).reshape(-1)
     size = size.reshape(-1)
     sizes = torch.zeros(plan.world_size, dtype=torch.int64).index_add_(0, rank, size)

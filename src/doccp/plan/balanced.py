@@ -51,7 +51,9 @@ ones (pretrain mix, 2 ranks: 0.2% of an all-gather instead of 12%). Where a docu
 to stay whole, packings are also tried with its head at the back of the sequence: every rank then
 takes a run of its tail from the front and one of its head from the back, next to the whole
 documents pinned to it (one document of 57% of the tokens over 4 ranks: 52% of an all-gather
-received instead of 56%). Each reserve share is one
+received instead of 56%); and again with such documents *hosted* by as few ranks as their work
+needs, which get that much less of the whole documents (else every rank takes a sliver of a big
+document and the one holding its last sliver receives nearly all of it). Each reserve share is one
 more plan, solved with the first probes and scored against the search's best at its end (it
 never ends the search early: pinning passes may still find less KV). Where nothing balances (a
 few documents of a few tokens per rank can defeat every cut), the plan is head_tail's, which
@@ -177,6 +179,12 @@ HEAD_BACK = (0.2, 0.4)
 #: 4 ranks, one document of 57% of the tokens: 0.555 -> 0.522 of an all-gather; pretrain, 4 ranks:
 #: 0.494 -> 0.447). Two of the four: the other two found no better plan on the benchmark's layouts.
 PACK_HEAD_RESERVE = (0.1, 0.35)
+#: The reserves also tried (heads at the back, each :data:`HEAD_BACK` share) with the documents too
+#: big to stay whole *hosted* by as few ranks as their work needs (the first ``ceil(work / share)``,
+#: which the sequence gives them): those ranks get that much less of the whole documents, so no rank
+#: takes a sliver of a big one and receives most of its prefix (135 layouts of 4 mixes with such
+#: documents, N 2-8: 28 with less KV, up to 32%: pretrain #4 over 3 ranks 0.167 -> 0.113).
+PACK_HOSTED_RESERVE = (0.1, 0.35)
 
 
 class Chunking(NamedTuple):
@@ -186,7 +194,8 @@ class Chunking(NamedTuple):
     recursive bisection of the ranks (:func:`_bisection_plan`) instead of one sequence, there
     with ``window``, a window of the sequence in place of the back run where it cuts less, and
     with ``late``, heads split off only in groups of two ranks. With ``reserve``, the documents
-    are first packed whole onto ranks but for that share of the tokens (:func:`_packings`)."""
+    are first packed whole onto ranks but for that share of the tokens (:func:`_packings`), with
+    ``hosted``, leaving room on the ranks that take the documents too big to stay whole."""
 
     per_rank: int
     head_back: float = 0.0
@@ -194,6 +203,7 @@ class Chunking(NamedTuple):
     window: bool = False
     late: bool = False
     reserve: float = 0.0
+    hosted: bool = False
 
 
 def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
@@ -217,10 +227,14 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
                   if (n <= WINDOW_RANKS if window else n > 2)  # two ranks, no window: the sequence plan
                   and (n <= LATE_HEAD_RANKS or not late)]
     # Packings: the sequence shares out the reserve and the documents too big to stay whole, these
-    # also with their heads at the back (each rank then holds a run of a tail and one of its head).
+    # also with their heads at the back (each rank then holds a run of a tail and one of its head),
+    # and so again with them hosted by as few ranks as their work needs.
     heads = [(h, r) for h in HEAD_BACK for r in PACK_HEAD_RESERVE] if not bool(whole.all()) else []
     packings = ([Chunking(0, h, reserve=r) for h, r in [*((0.0, r) for r in PACK_RESERVE), *heads]]
                 if n <= PACK_RANKS and bool(whole.any()) else [])
+    hosts = _hosts(doc_work, whole, n) if packings and not bool(whole.all()) else n
+    packings += [Chunking(0, h, reserve=r, hosted=True) for h in HEAD_BACK for r in PACK_HOSTED_RESERVE
+                 ] if hosts < n else []
     bisected: dict[Chunking, Pieces] = {}
     solved: dict[tuple, tuple | None] = {}  # (chunking, pinned) -> (pieces, score, cut), solved ahead
 
@@ -256,12 +270,16 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
             solve_ahead([(c, pinned[c]) for c in chains])
             result = {c: solved[c, pinned[c].numpy().tobytes()] for c in chains}
 
-    packed_pins = _packings(lengths, doc_work, n, whole, PACK_RESERVE) if packings else {}
+    packed_pins = {(r, False): pins for r, pins in _packings(lengths, doc_work, n, whole, PACK_RESERVE).items()
+                   } if packings else {}
+    if hosts < n:
+        packed_pins.update(((r, True), pins) for r, pins in
+                           _packings(lengths, doc_work, n, whole, PACK_HOSTED_RESERVE, hosts).items())
 
     def first_pins(chunks: Chunking) -> torch.Tensor:
         if not chunks.reserve:
             return torch.full_like(lengths, -1)
-        return packed_pins[chunks.reserve]
+        return packed_pins[chunks.reserve, chunks.hosted]
 
     def variants():
         yield from ((c, PIN_TO[0], True, ()) for c in chunkings[:2])
@@ -336,13 +354,20 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     return best
 
 
+def _hosts(doc_work: torch.Tensor, whole: torch.Tensor, n: int) -> int:
+    """Ranks whose work the documents too big to stay whole need, together (at least one)."""
+    share = float(doc_work.sum()) / n
+    return max(-(-int(doc_work[~whole].sum()) // max(int(share), 1)), 1)
+
+
 def _packings(lengths: torch.Tensor, doc_work: torch.Tensor, n: int, whole: torch.Tensor,
-              reserves: tuple[float, ...]) -> dict[float, torch.Tensor]:
+              reserves: tuple[float, ...], hosts: int = 0) -> dict[float, torch.Tensor]:
     """Per reserve share ``r``: documents pinned whole to ranks, heaviest first, each to the rank
     with the most work left to fill among those it fits (tokens and work), but for a *reserve* of
     the lightest documents holding at most ``r`` of the tokens: the sequence shares those out to
     make every rank exact, so only light (short) documents are cut. Pinned rank per document, -1
-    where not pinned.
+    where not pinned. With ``hosts``, ranks ``0 .. hosts - 1`` (the first the sequence fills) leave
+    room for an equal part of the tokens and work of the documents too big to stay whole.
 
     One greedy pass serves every share (a reserve is a tail of the heaviest-first order, so each
     share's pass is a prefix of the longest); a few heap operations per document, for at most
@@ -353,7 +378,11 @@ def _packings(lengths: torch.Tensor, doc_work: torch.Tensor, n: int, whole: torc
     ends = {r: min(int(torch.searchsorted(-lighter, -int(r * total))), PACK_DOCS) for r in reserves}
     tokens_left = even_sizes(total, n).tolist()
     work_left = [float(doc_work.sum()) / n] * n
+    for r in range(hosts):
+        tokens_left[r] -= int(lengths[~whole].sum()) // hosts
+        work_left[r] -= float(doc_work[~whole].sum()) / hosts
     most_work = [(-w, r) for r, w in enumerate(work_left)]  # a heap: the rank with most work left first
+    heapq.heapify(most_work)
     owner = [-1] * max(ends.values(), default=0)
     docs = heaviest[: len(owner)]
     for i, (length, work, fits) in enumerate(zip(lengths[docs].tolist(), doc_work[docs].tolist(),
