@@ -19,6 +19,10 @@ Part 3, small batches: the same host time at 8k and 32k tokens (fine-tuning batc
 Part 4, every mask: the balanced planner's worst imbalance under full, sliding-window and
 chunked masks on the same mixes (the targets hold for every mask, not just causal).
 
+Part 2 also times the largest cell (16M tokens, N = 1024) in fresh processes under the allocator
+settings of :data:`ALLOCATORS`: at that size host planning is bound by page faults on its fresh
+multi-MB tables.
+
 Part 5, memory: the peak RSS growth of a fresh process planning a document of 2**20 and of
 2**31 - 1 tokens (the most a layout holds) with every strategy, stats included.
 
@@ -29,11 +33,14 @@ Part 5, memory: the peak RSS growth of a fresh process planning a document of 2*
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -75,6 +82,18 @@ FILED_KV = {
     ("lognormal", 32): (0.2505, 0.2914, 0.4328, 0.3369, 0.2847, 0.2243, 0.2943, 0.2151),
     ("lognormal", 64): (0.5179, 0.4662, 0.5715, 0.5638, 0.4940, 0.4104, 0.6024, 0.4374),
 }
+#: Allocator settings the largest scaling cell is also timed with, each in a fresh process (they are
+#: read when a process starts): PyTorch's 2 MB-aligned CPU allocations advised as transparent huge
+#: pages, and glibc keeping freed memory for reuse instead of unmapping it (the setting
+#: docs/choosing.md suggests). At that size a rank's host tables are hundreds of MB, and much of the
+#: default's time is the kernel handing out fresh zeroed pages for them.
+ALLOCATORS = {
+    "THP_MEM_ALLOC_ENABLE=1": {"THP_MEM_ALLOC_ENABLE": "1"},
+    "MALLOC_MMAP_THRESHOLD_ + MALLOC_TRIM_THRESHOLD_": {"MALLOC_MMAP_THRESHOLD_": "4000000000",
+                                                        "MALLOC_TRIM_THRESHOLD_": "100000000000"},
+}
+#: The cell timed under :data:`ALLOCATORS` (tokens, N) and, per setting, seconds per strategy.
+Allocators = tuple[tuple[int, int], dict[str, dict[str, float]]]
 #: The scaling cells (the host-time targets) repeat until their timings add up to this many seconds.
 SCALE_SECONDS = 1.0
 MAX_REPEATS = 20
@@ -141,6 +160,28 @@ def scaling(tokens_list, world_sizes, repeats: int) -> dict[tuple[int, int, str]
             times[(tokens, 256, "stats")] = best_of(lambda layout=layout: _stats_seconds(layout, 256, "head_tail"),
                                                     repeats, SCALE_SECONDS)
     return times
+
+
+def with_allocators(tokens: int, n: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Per :data:`ALLOCATORS` setting, one rank's host seconds per strategy in the scaling cell
+    (tokens, n), timed by a fresh process of this script (``--cell``) with that environment."""
+    flags = ["--repeats", str(args.repeats), *(["--cpu-time"] if args.cpu_time else [])]
+    out = {}
+    for name, env in ALLOCATORS.items():
+        run = subprocess.run([sys.executable, __file__, "--cell", str(tokens), str(n), *flags],
+                             env={**os.environ, **env}, capture_output=True, text=True, check=True)
+        out[name] = json.loads(run.stdout.splitlines()[-1])
+    return out
+
+
+def transparent_huge_pages() -> str:
+    """The kernel's THP mode (``always``/``madvise``/``never``; the bracketed one), or ``unknown``."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unknown"
+    chosen = [word for word in text.split() if word.startswith("[")]
+    return chosen[0].strip("[]") if chosen else "unknown"
 
 
 def small_batches(count: int, world_sizes, repeats: int) -> dict[tuple[int, int], dict[str, list[float]]]:
@@ -219,8 +260,8 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
-def report(cells: dict[tuple[str, int], Cell], times: dict, small: dict, masks: dict[str, float],
-           memory: dict[tuple[int, int], float], args: argparse.Namespace) -> str:
+def report(cells: dict[tuple[str, int], Cell], times: dict, allocators: Allocators,
+           small: dict, masks: dict[str, float], memory: dict[tuple[int, int], float], args: argparse.Namespace) -> str:
     per_mix = len(next(iter(cells.values())).bound)
     out = [
         "## Planner",
@@ -263,6 +304,16 @@ def report(cells: dict[tuple[str, int], Cell], times: dict, small: dict, masks: 
     rows = [[f"{t:,}", n, *(ms(times[(t, n, s)]) if (t, n, s) in times else "-" for s in (*NAMES, "stats"))]
             for t in scale_tokens for n in scale_n if any((t, n, s) in times for s in (*NAMES, "stats"))]
     out.append(table(["tokens", "N", *NAMES, "stats() head_tail"], rows))
+    (tokens, n), settings = allocators
+    out += ["", f"Allocator settings, {tokens:,} tokens, N = {n} (ms): the same cells, each setting timed by a fresh "
+            "process with it in its environment. `THP_MEM_ALLOC_ENABLE=1`: PyTorch's 2 MB-aligned CPU allocations, "
+            f"advised as transparent huge pages (this kernel's THP mode: `{transparent_huge_pages()}`); "
+            "`MALLOC_MMAP_THRESHOLD_=4000000000 MALLOC_TRIM_THRESHOLD_=100000000000`: glibc keeps freed memory "
+            "for reuse instead of unmapping it. A rank's host tables are tens to hundreds of MB here, and much of "
+            "the default's time is page faults on the first touch of each fresh one.", "",
+            table(["strategy", "default", *settings],
+                  [[s, ms(times[(tokens, n, s)]), *(f"{ms(t[s])} ({times[(tokens, n, s)] / t[s]:.2f}x)"
+                                                     for t in settings.values())] for s in NAMES])]
     per_size = len(next(iter(small.values()))["balanced"]) if small else 0
     out += ["", "### Host time on small batches (ms)",
             f"One rank's plan + schedules + indices on {per_size} layouts (every mix) per size: fine-tuning "
@@ -277,12 +328,12 @@ def report(cells: dict[tuple[str, int], Cell], times: dict, small: dict, masks: 
             "`tokens` (and two short ones) with every strategy and taking each plan's `stats()`: O(documents + "
             "pieces), not O(tokens) (a table per token would be 16 GB at 2**31 tokens).", "",
             table(["tokens", "N", "peak RSS growth"], [[f"{t:,}", n, f"{mb:.1f}"] for (t, n), mb in memory.items()])]
-    out += ["", "### Targets", "", targets(cells, times, masks, memory)]
+    out += ["", "### Targets", "", targets(cells, times, allocators, masks, memory)]
     return "\n".join(out)
 
 
-def targets(cells: dict[tuple[str, int], Cell], times: dict, masks: dict[str, float],
-            memory: dict[tuple[int, int], float]) -> str:
+def targets(cells: dict[tuple[str, int], Cell], times: dict, allocators: Allocators,
+            masks: dict[str, float], memory: dict[tuple[int, int], float]) -> str:
     def row(name: str, values: list[float], fmt: str, ok) -> list[str]:
         if not values:
             return [name, "not measured", "n/a"]
@@ -307,11 +358,9 @@ def targets(cells: dict[tuple[str, int], Cell], times: dict, masks: dict[str, fl
             every(lambda c: [b - k for b, k, lb in zip(c.kv["balanced"], c.kv["contiguous"], c.bound, strict=True)
                              if lb <= k + 0.05]), "{:+.3f}", lambda v: v <= 0.05),
         *(row(f"balanced max KV <= half the planner's when the issue was filed ({FILED}), {mix} mix, every "
-              "layout and N (worst ratio)", [b / old for (m, n), c in cells.items() if m == mix
-                                             for b, old in zip(c.kv["balanced"], FILED_KV.get((m, n), ()),
-                                                               strict=False)  # a quick run: its first layouts
-                                             if old > 0], "{:.2f}", lambda v: v <= 0.5)
-          for mix in sorted({m for m, _ in FILED_KV})),
+              f"layout and N{where} (worst ratio)", filed_ratios(cells, mix, bounded), "{:.2f}", lambda v: v <= 0.5)
+          for mix in sorted({m for m, _ in FILED_KV})
+          for bounded, where in ((False, ""), (True, " where the bound allows it (bound <= half of it)"))),
         row("balanced max KV within 1.2x of the lower bound (where the bound > 0)",
             every(lambda c: [b / lb for b, lb in zip(c.kv["balanced"], c.bound, strict=True) if lb > 0]),
             "{:.2f}", lambda v: v <= 1.2),
@@ -322,6 +371,9 @@ def targets(cells: dict[tuple[str, int], Cell], times: dict, masks: dict[str, fl
                         "{:.1f}", lambda v: v <= 50))
         rows.append(row(f"{s}: the same <= 2 s at 16M tokens, N = 1024 (s)",
                         [t for (tok, n, name), t in times.items() if (tok, n, name) == (1 << 24, 1024, s)],
+                        "{:.2f}", lambda v: v <= 2))
+        rows.append(row(f"{s}: the same with the better allocator setting above (s)",
+                        [min(t[s] for t in allocators[1].values())] if allocators[0] == (1 << 24, 1024) else [],
                         "{:.2f}", lambda v: v <= 2))
     rows.append(row("stats() <= 1 s at 1M tokens, N = 256 (s)",
                     [t for (tok, n, name), t in times.items() if (tok, n, name) == (1 << 20, 256, "stats")],
@@ -337,17 +389,40 @@ def targets(cells: dict[tuple[str, int], Cell], times: dict, masks: dict[str, fl
     return table(["target", "measured", "status"], rows)
 
 
+def filed_ratios(cells: dict[tuple[str, int], Cell], mix: str, bounded: bool = False) -> list[float]:
+    """Balanced's max KV over the planner's when the issue was filed (:data:`FILED_KV`), per layout
+    of ``mix`` and N; with ``bounded``, only where the lower bound leaves room for half of it."""
+    return [b / old for (m, n), c in cells.items() if m == mix
+            for b, old, lb in zip(c.kv["balanced"], FILED_KV.get((m, n), ()), c.bound,
+                                  strict=False)  # a quick run: its first layouts
+            if old > 0 and not (bounded and lb > old / 2)]
+
+
+def cell(args: argparse.Namespace) -> int:
+    """``--cell TOKENS N``: print one rank's host seconds per strategy on the scaling layout (JSON)."""
+    tokens, n = args.cell
+    torch.set_num_threads(1)
+    layout = DocLayout.from_lengths(workloads.layout(SCALE_MIX, tokens, 0))
+    seconds = {s: best_of(lambda s=s: one_rank(layout, n, s), args.repeats, SCALE_SECONDS) for s in NAMES}
+    print(json.dumps(seconds))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 layouts per mix, N in {2, 8, 64}, up to 1M tokens")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs (default 3, quick 1)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time with this process's CPU time (for a loaded machine) instead of wall time")
+    parser.add_argument("--cell", type=int, nargs=2, metavar=("TOKENS", "N"),
+                        help="only time one scaling cell, print JSON (the allocator settings' fresh processes)")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 3)
+    CLOCK[0] = time.process_time if args.cpu_time else time.perf_counter
+    if args.cell:
+        return cell(args)
     flags = [f for f, on in (("--quick", args.quick), ("--cpu-time", args.cpu_time)) if on]
     args.command = " ".join(["python bench/plan.py", *flags])
-    CLOCK[0] = time.process_time if args.cpu_time else time.perf_counter
     assert set(NAMES) == set(STRATEGIES), "bench/plan.py lists every strategy"
     count, world_sizes = (2, (2, 8, 64)) if args.quick else (8, WORLD_SIZES)
     scale_tokens = SCALE_TOKENS[:2] if args.quick else SCALE_TOKENS
@@ -359,12 +434,14 @@ def main(argv: list[str] | None = None) -> int:
         cells = {(mix, n): measure(workloads.layouts(mix, TOKENS, count), n, args.repeats)
                  for mix in MIXES for n in world_sizes}
         times = scaling(scale_tokens, scale_world, args.repeats)
+        biggest = (max(scale_tokens), max(scale_world))
+        allocators = (biggest, with_allocators(*biggest, args))
         small = small_batches(count // 2, (2, 8) if args.quick else SMALL_WORLD, args.repeats)
         masks = other_masks(1 if args.quick else count // 2, (3, 8) if args.quick else WORLD_SIZES)
     finally:
         torch.set_num_threads(threads)
     memory = planning_memory()
-    print(report(cells, times, small, masks, memory, args))
+    print(report(cells, times, allocators, small, masks, memory, args))
     return 0
 
 

@@ -598,6 +598,31 @@ def test_packing_pins_what_fits_and_holds_back_the_lightest_documents(lengths, n
         assert not bool(held[reserved].any())
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 3000), min_size=1, max_size=30), st.integers(2, 16))
+@example([37, 5, 64, 22], 2)  # 64 tokens per rank: per_rank 64, 256 and 1024 all cut 1-token chunks
+@example([5, 9, 3], 2)  # every document whole: one layout
+def test_distinct_chunkings_lay_out_every_chunking_once(lengths, n):
+    """The search solves each :data:`CHUNKS_PER_RANK` chunking's sequence once: every chunking lays
+    out its chunks exactly as one kept chunking does, and no two kept chunkings lay them out alike
+    (first of each kept, in order)."""
+    layout = DocLayout.from_lengths(lengths)
+    doc_work = Mask.causal().pairs(0, layout.lengths, 0, layout.lengths)
+    rank_tokens = max(-(-layout.num_tokens // n), 1)
+    whole = (layout.lengths <= rank_tokens) & (doc_work.double() <= float(doc_work.sum()) / n)
+
+    def chunks(per_rank: int) -> tuple:
+        return tuple(tuple(c.tolist()) for c in balanced._chunks(layout.lengths, rank_tokens, whole,
+                                                                 balanced.Chunking(per_rank))[:3])
+
+    kept = [c.per_rank for c in balanced._distinct_chunkings(layout.lengths, whole, rank_tokens)]
+    layouts = {per_rank: chunks(per_rank) for per_rank in balanced.CHUNKS_PER_RANK}
+    assert len({layouts[k] for k in kept}) == len(kept)
+    assert {layouts[k] for k in kept} == set(layouts.values())
+    assert kept == [k for k in balanced.CHUNKS_PER_RANK if layouts[k] not in
+                    {layouts[j] for j in balanced.CHUNKS_PER_RANK[:balanced.CHUNKS_PER_RANK.index(k)]}]
+
+
 def test_packing_pins_at_most_pack_docs(monkeypatch):
     """The packing's greedy is a Python step per document: it pins the PACK_DOCS heaviest at most,
     and the lighter ones join the reserve (the plan stays exact and balanced)."""

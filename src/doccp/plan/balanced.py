@@ -120,7 +120,9 @@ SNAP_REACH = 2
 MONOTONE_ROUNDS = 4
 #: Chunks per rank's tokens that a document too big to stay whole is cut into before sorting,
 #: tried in turn: 0 keeps it one chunk (its parts land on adjacent ranks: least KV); finer
-#: chunks sort the sequence closer to token cost (balance when big documents dominate).
+#: chunks sort the sequence closer to token cost (balance when big documents dominate). Those that
+#: lay out the same sequence (small layouts) are tried once (:func:`_distinct_chunkings`), so the
+#: search's attempts go to distinct plans.
 CHUNKS_PER_RANK = (0, 4, 16, 64, 256, 1024)
 #: The costlier candidates (head-at-back layouts, the bisection) are tried only where the best plan
 #: so far receives more than the contiguous split's max KV plus KV_GOAL of an all-gather, or more
@@ -221,7 +223,7 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     kv_goal = min(contiguous[0][1] + KV_GOAL * allgather, KV_HEAVY * allgather)
     # Round 0 (no pins) of the probes, then pinning rounds, until _done. Round 0 of a chunking is
     # solved once (``unpinned``); a chunking that cannot balance is not pinned.
-    chunkings = [Chunking(c) for c in CHUNKS_PER_RANK]
+    chunkings = _distinct_chunkings(lengths, whole, rank_tokens)
     bisections = [Chunking(0, head_back, bisect=True, window=window, late=late)
                   for (head_back, late), window in itertools.product(BISECT_HEAD_BACK, BISECT_WINDOW)
                   if (n <= WINDOW_RANKS if window else n > 2)  # two ranks, no window: the sequence plan
@@ -352,6 +354,19 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
         if best_score is None or _better(result[1], best_score):
             best = result[0]
     return best
+
+
+def _distinct_chunkings(lengths: torch.Tensor, whole: torch.Tensor, rank_tokens: int) -> list[Chunking]:
+    """The :data:`CHUNKS_PER_RANK` chunkings that lay the sequence out differently, in order: two
+    with the same chunk size are one layout, and so are all whose chunks are no shorter than every
+    document too big to stay whole (each document one chunk). On small layouts most coincide (every
+    document whole: all of them), and each would be solved and pinned again for the same plans."""
+    longest = int(lengths[~whole].max()) if not bool(whole.all()) else 0
+    layouts = {}
+    for per_rank in CHUNKS_PER_RANK:
+        size = max(rank_tokens // per_rank, 1) if per_rank else longest
+        layouts.setdefault(size if size < longest else 0, Chunking(per_rank))
+    return list(layouts.values())
 
 
 def _hosts(doc_work: torch.Tensor, whole: torch.Tensor, n: int) -> int:
