@@ -623,6 +623,35 @@ def test_distinct_chunkings_lay_out_every_chunking_once(lengths, n):
                     {layouts[j] for j in balanced.CHUNKS_PER_RANK[:balanced.CHUNKS_PER_RANK.index(k)]}]
 
 
+def test_plans_scored_in_one_pass_get_their_own_scores(monkeypatch):
+    """The search scores its candidates in one pass (each plan's ranks apart): every plan gets the
+    score and cut pieces it gets alone, also when the sort key's range splits the pass; and a
+    plan's score is its stats (imbalance, max KV received) and the whole-able documents it cuts."""
+    rng = random.Random("scores")
+    for _ in range(40):
+        n = rng.randint(2, 6)
+        layout = DocLayout.from_lengths([rng.choice([0, 1, 3, 17, 60, 200]) for _ in range(rng.randint(1, 10))])
+        if layout.num_tokens == 0:
+            continue
+        mask = rng.choice([Mask.causal(), Mask.full(), Mask.sliding_window(4)])
+        lengths, work = layout.lengths, mask.row_work(0, layout.lengths, layout.lengths)
+        whole = (lengths <= -(-layout.num_tokens // n)) & (work.double() <= float(work.sum()) / n)
+        plans = [plan(layout, n, mask, s) for s in STRATEGIES]
+        alone = [balanced._scores([p.stream_pieces], layout, n, mask, whole)[0] for p in plans]
+        for p, (score, cut) in zip(plans, alone, strict=True):
+            stats, pieces = p.stats(), p.stream_pieces
+            cut_docs = {d for d, s, e in zip(pieces.doc.tolist(), pieces.start.tolist(), pieces.end.tolist(),
+                                              strict=True) if bool(whole[d]) and e - s < int(lengths[d])}
+            spread = max(stats.work) / max(stats.total_work / n, 1.0)  # (a mean below one pair counts as one)
+            assert score[1:] == pytest.approx((max(stats.kv_recv), len(cut_docs), spread))
+            assert torch.equal(cut, whole[pieces.doc] & (pieces.length < lengths[pieces.doc]))
+        for limit in (balanced.SCORE_KEY_LIMIT, n * (layout.num_docs + 1) * (int(lengths.max()) + 2) * 2):
+            monkeypatch.setattr(balanced, "SCORE_KEY_LIMIT", limit)  # all at once; two at a time
+            together = balanced._scores([p.stream_pieces for p in plans], layout, n, mask, whole)
+            assert [s for s, _ in together] == [s for s, _ in alone]
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(together, alone, strict=True))
+
+
 def test_packing_pins_at_most_pack_docs(monkeypatch):
     """The packing's greedy is a Python step per document: it pins the PACK_DOCS heaviest at most,
     and the lighter ones join the reserve (the plan stays exact and balanced)."""

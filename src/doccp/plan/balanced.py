@@ -187,6 +187,8 @@ PACK_HEAD_RESERVE = (0.1, 0.35)
 #: takes a sliver of a big one and receives most of its prefix (135 layouts of 4 mixes with such
 #: documents, N 2-8: 28 with less KV, up to 32%: pretrain #4 over 3 ranks 0.167 -> 0.113).
 PACK_HOSTED_RESERVE = (0.1, 0.35)
+#: Range of the sort key plans scored in one pass share (:func:`_scores`; below int64's).
+SCORE_KEY_LIMIT = 1 << 62
 
 
 class Chunking(NamedTuple):
@@ -237,23 +239,27 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     hosts = _hosts(doc_work, whole, n) if packings and not bool(whole.all()) else n
     packings += [Chunking(0, h, reserve=r, hosted=True) for h in HEAD_BACK for r in PACK_HOSTED_RESERVE
                  ] if hosts < n else []
-    bisected: dict[Chunking, Pieces] = {}
+    bisected: dict[Chunking, tuple] = {}
     solved: dict[tuple, tuple | None] = {}  # (chunking, pinned) -> (pieces, score, cut), solved ahead
 
-    def scored(pieces: Pieces | None) -> tuple | None:
-        return None if pieces is None else (pieces, *_score(pieces, layout, n, mask, whole))
+    def scored(plans: list[Pieces | None]) -> list[tuple | None]:
+        """Each plan with its score and cut pieces (None stays None), scored in one pass."""
+        some = [p for p in plans if p is not None]
+        results = iter(_scores(some, layout, n, mask, whole))
+        return [None if p is None else (p, *next(results)) for p in plans]
 
     def solve_ahead(configs: list[tuple[Chunking, torch.Tensor]]) -> None:
         """Solve sequence plans in one pass (see :func:`_sequence_plans`) for :func:`solve` to take."""
-        plans = _sequence_plans(layout, n, mask, configs, whole, doc_work)
-        solved.update(((chunks, pinned.numpy().tobytes()), scored(pieces))
-                      for (chunks, pinned), pieces in zip(configs, plans, strict=True))
+        plans = scored(_sequence_plans(layout, n, mask, configs, whole, doc_work))
+        solved.update(((chunks, pinned.numpy().tobytes()), result)
+                      for (chunks, pinned), result in zip(configs, plans, strict=True))
 
     def solve(chunks: Chunking, pinned: torch.Tensor) -> tuple | None:
         if chunks.bisect:
             if not bisected:  # every bisection at once, on the first that is tried (see _bisection_plans)
-                bisected.update(zip(bisections, _bisection_plans(layout, n, mask, whole, bisections), strict=True))
-            return scored(bisected[chunks])
+                plans = scored(_bisection_plans(layout, n, mask, whole, bisections))
+                bisected.update(zip(bisections, plans, strict=True))
+            return bisected[chunks]
         key = chunks, pinned.numpy().tobytes()
         if key not in solved:
             solve_ahead([(chunks, pinned)])
@@ -350,7 +356,7 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     # No balanced plan: tiny layouts (a few documents of a few tokens per rank) can defeat the
     # search's cuts, while head_tail balances every document on its own under a causal mask.
     if best_score is None or best_score[0]:
-        result = scored(head_tail(layout, n, mask))
+        result = scored([head_tail(layout, n, mask)])[0]
         if best_score is None or _better(result[1], best_score):
             best = result[0]
     return best
@@ -449,15 +455,35 @@ def _score(pieces: Pieces, layout: DocLayout, n: int, mask: Mask, whole: torch.T
            ) -> tuple[tuple[bool, int, int, float], torch.Tensor]:
     """(unbalanced, max KV received, documents that could stay whole but are cut, work spread):
     what the planner minimises, in that order; and which pieces cut such documents."""
-    lengths = layout.lengths
-    work = torch.zeros(n, dtype=torch.float64).index_add_(
-        0, pieces.rank, mask.row_work(pieces.start, pieces.end, lengths[pieces.doc]).double())
-    spread = float(work.max()) / max(float(work.mean()), 1.0)
+    return _scores([pieces], layout, n, mask, whole)[0]
+
+
+def _scores(plans: list[Pieces], layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor
+            ) -> list[tuple[tuple[bool, int, int, float], torch.Tensor]]:
+    """:func:`_score` of several plans in one pass: plan ``i``'s ranks as ``i * n + rank`` of one
+    table (small layouts are bound by the per-call overhead of scoring, not its width)."""
+    if not plans:
+        return []
+    m, lengths = len(plans), layout.lengths
+    # Pieces.normalized sorts by (rank, doc, start) as one int64 key: as many plans at once as it holds.
+    at_once = max(SCORE_KEY_LIMIT // (n * (layout.num_docs + 1) * (int(lengths.max()) + 2)), 1)
+    if m > at_once:
+        return [r for i in range(0, m, at_once) for r in _scores(plans[i:i + at_once], layout, n, mask, whole)]
+    sizes = [len(p) for p in plans]
+    of_plan = torch.arange(m).repeat_interleave(torch.tensor(sizes))
+    pieces = Pieces.cat(plans) if m > 1 else plans[0]
+    pieces = Pieces(pieces.rank + of_plan * n, pieces.doc, pieces.start, pieces.end) if m > 1 else pieces
+    work = torch.zeros(m * n, dtype=torch.float64).index_add_(
+        0, pieces.rank, mask.row_work(pieces.start, pieces.end, lengths[pieces.doc]).double()).view(m, n)
+    spread = (work.max(1).values / work.mean(1).clamp(min=1.0)).tolist()
     p = pieces.normalized()
     seen = visible_intervals(p, lengths, mask)
-    kv = torch.zeros(n, dtype=torch.int64).index_add_(0, seen.rank, seen.length).index_add_(0, p.rank, -p.length)
+    kv = torch.zeros(m * n, dtype=torch.int64).index_add_(0, seen.rank, seen.length).index_add_(0, p.rank, -p.length)
     cut = whole[pieces.doc] & (pieces.length < lengths[pieces.doc])
-    return (spread > TOLERANCE, int(kv.max()), int(torch.unique(pieces.doc[cut]).numel()), spread), cut
+    cut_docs = torch.unique(of_plan[cut] * max(layout.num_docs, 1) + pieces.doc[cut]) // max(layout.num_docs, 1)
+    cuts = torch.bincount(cut_docs, minlength=m).tolist()
+    return [((s > TOLERANCE, most, c, s), one_cut) for s, most, c, one_cut in
+            zip(spread, kv.view(m, n).max(1).values.tolist(), cuts, torch.split(cut, sizes), strict=True)]
 
 
 def _better(score: tuple[bool, int, int, float], best: tuple[bool, int, int, float]) -> bool:
