@@ -68,9 +68,10 @@ levels of it), no loop over documents or ranks (but the packings' greedy, over a
 documents at most). Small layouts are bound by the per-call overhead of that work, not its
 width, so every bisection variant is solved in one pass (each in rank
 groups of its own) the first time one is tried, and so are the sequence plans the search is
-about to try (each configuration a group of its own): the first probes together and, where the
-search is likely to run long, each pinning pass in lockstep (a round at a time for all its
-chains: a chain's round depends only on its own previous one), replayed in the search's order.
+about to try (each configuration a group of its own; plans solved together are scored together):
+the first probes together and, where the search is likely to run long, each pinning pass in
+lockstep (a round at a time for all its chains: a chain's round depends only on its own previous
+one), replayed in the search's order.
 """
 
 from __future__ import annotations
