@@ -257,6 +257,25 @@ def test_attention_packed_plans(monkeypatch, world_size, lengths, masks, without
     check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
 
 
+@pytest.mark.parametrize("world_size, lengths", [
+    (3, [8, 2, 1, 2, 2, 0, 13, 1, 122, 8, 2, 1]),
+    (4, [21, 8, 0, 21, 3, 298, 21, 8, 0, 21, 3, 1]),
+])
+def test_attention_nested_plans(monkeypatch, world_size, lengths):
+    """Plans of the balanced planner that pin a big document's nested parts (each rank a head and
+    a tail of what the ranks outside it left, the innermost the middle; doccp.plan.nested) and pack
+    the rest around them, at odd and even N, with zero-length and 1-token documents."""
+    import importlib
+    balanced = importlib.import_module("doccp.plan.balanced")
+    layout = DocLayout.from_lengths(lengths)
+    nested = max(doccp.plan(layout, world_size).stats().kv_recv)
+    with monkeypatch.context() as m:
+        m.setattr(balanced, "_nested_plan", lambda *args, **kwargs: None)
+        assert nested < max(doccp.plan(layout, world_size).stats().kv_recv)  # the plans under test are nested
+    cases = [(lengths, "balanced", Mask.causal(), algorithm, i) for i, algorithm in enumerate(ALGORITHMS)]
+    check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
+
+
 def test_chunks_that_do_not_straddle_ranks_move_nothing():
     """A chunk needs only its own keys: cut at chunk boundaries, CP exchanges no KV at all, while
     a cut inside a chunk sends just that chunk's head."""

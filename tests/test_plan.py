@@ -565,12 +565,13 @@ def test_third_figure_is_monotone_in_the_keys_allowed(mask):
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 400), min_size=1, max_size=40), st.integers(2, 6), st.sampled_from([0.1, 0.35, 0.5]),
-       st.integers(0, 3))
-def test_packing_pins_what_fits_and_holds_back_the_lightest_documents(lengths, n, reserve, hosts):
+       st.integers(0, 3), st.sampled_from([None, 0.5, 1.0]))
+def test_packing_pins_what_fits_and_holds_back_the_lightest_documents(lengths, n, reserve, hosts, taken):
     """The packing pins only documents that can stay whole, outside the reserve (the lightest
     documents holding at most ``reserve`` of the tokens), and never beyond a rank's share of the
     tokens or of the work, less, on the first ``hosts`` ranks, an equal part of the documents too big
-    to stay whole: the sequence is left a feasible rest to share out. One pass serves every reserve:
+    to stay whole, and less what parts pinned already hold (``taken``: that share of rank 0's tokens
+    and work): the sequence is left a feasible rest to share out. One pass serves every reserve:
     each share's pins are those it gets alone."""
     from doccp.plan.pieces import even_sizes
     layout = DocLayout.from_lengths(lengths)
@@ -579,18 +580,25 @@ def test_packing_pins_what_fits_and_holds_back_the_lightest_documents(lengths, n
     doc_work = Mask.causal().pairs(0, layout.lengths, 0, layout.lengths)
     whole = (layout.lengths <= -(-layout.num_tokens // n)) & (doc_work.double() <= float(doc_work.sum()) / n)
     hosts = min(hosts, n)
-    pinned = balanced._packings(layout.lengths, doc_work, n, whole, (reserve,), hosts)[reserve]
-    assert bool((balanced._packings(layout.lengths, doc_work, n, whole, (0.1, 0.35, 0.5), hosts)[reserve] == pinned
-                 ).all())
+    first = torch.arange(n) == 0
+    held_tokens = first * int(even_sizes(layout.num_tokens, n)[0] * (taken or 0))
+    held_work = first * (float(doc_work.sum()) / n * (taken or 0))
+    held_parts = (held_tokens, held_work.double()) if taken is not None else None
+    pinned = balanced._packings(layout.lengths, doc_work, n, whole, (reserve,), hosts, held_parts)[reserve]
+    assert bool((balanced._packings(layout.lengths, doc_work, n, whole, (0.1, 0.35, 0.5), hosts, held_parts)[reserve]
+                 == pinned).all())
     held = pinned >= 0
     assert bool((whole | ~held).all())
     tokens = torch.zeros(n, dtype=torch.int64).index_add_(0, pinned[held], layout.lengths[held])
     work = torch.zeros(n, dtype=torch.float64).index_add_(0, pinned[held], doc_work[held].double())
     hosting = torch.arange(n) < hosts
     big_tokens, big_work = int(layout.lengths[~whole].sum()), float(doc_work[~whole].sum())
-    room = (even_sizes(layout.num_tokens, n) - hosting * (big_tokens // max(hosts, 1))).clamp(min=0)
+    room = (even_sizes(layout.num_tokens, n) - hosting * (big_tokens // max(hosts, 1)) - held_tokens).clamp(min=0)
     assert bool((tokens <= room).all())
-    assert bool((work <= (float(doc_work.sum()) / n - hosting * (big_work / max(hosts, 1))).clamp(min=0) + 1e-6).all())
+    work_room = float(doc_work.sum()) / n - hosting * (big_work / max(hosts, 1)) - held_work
+    assert bool((work <= work_room.clamp(min=0) + 1e-6).all())
+    if taken == 1.0:
+        assert not bool((pinned == 0).any())  # rank 0 is full
     heaviest = sorted(range(len(lengths)), key=lambda d: -int(doc_work[d]))  # stable
     lighter = list(itertools.accumulate(lengths[d] for d in reversed(heaviest)))[::-1]
     reserved = [d for d, tokens in zip(heaviest, lighter, strict=True) if tokens <= reserve * layout.num_tokens]
@@ -745,6 +753,68 @@ def test_balanced_tries_the_head_shares_that_even_out_the_receivers(monkeypatch)
     assert s.max_kv_fraction <= 0.0760, s.kv_recv
     monkeypatch.setattr(balanced, "BISECT_HEAD_BACK", ((0.0, False), (0.25, False), (0.4, True)))
     assert plan(layout, 8).stats().max_kv_fraction == pytest.approx(0.0777, abs=0.0002)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(1, 5000), st.lists(st.integers(1, 4000), min_size=2, max_size=8), st.floats(1.0, 1.5),
+       st.floats(0.0, 200.0))
+def test_nested_parts_keep_every_bound_they_promise(length, rank_tokens, cap_share, fill):
+    """The nested parts tile the document, each rank's enclose the next ones', and every rank holds
+    at most its tokens and, filled up at the fill density, at most the cap of work."""
+    from doccp.plan.nested import nested_parts
+    mask, tokens = Mask.causal(), torch.tensor(rank_tokens)
+    cap = cap_share * float(mask.row_work(0, length, length)) / len(rank_tokens)
+    parts = nested_parts(7, length, tokens, cap, fill, mask)
+    if parts is None:
+        return
+    assert bool((parts.doc == 7).all()) and bool((parts.end > parts.start).all())
+    order = torch.argsort(parts.start)
+    assert int(parts.start[order[0]]) == 0 and int(parts.end[order[-1]]) == length
+    assert bool((parts.start[order[1:]] == parts.end[order[:-1]]).all())  # they tile [0, length)
+    held = torch.zeros(len(rank_tokens), dtype=torch.int64).index_add_(0, parts.rank, parts.length)
+    work = torch.zeros(len(rank_tokens), dtype=torch.float64).index_add_(
+        0, parts.rank, mask.row_work(parts.start, parts.end, length).double())
+    assert bool((held <= tokens).all())
+    assert bool((work + fill * (tokens - held).double() <= cap * (1 + 1e-12)).all())
+    # nested: the parts of ranks r, r + 1, ... are one run of the document for every r (rank r's
+    # head below the later ranks' run, its tail above it)
+    for r in parts.rank.unique().tolist():
+        inner = parts.select(parts.rank >= r)
+        order = torch.argsort(inner.start)
+        assert bool((inner.start[order[1:]] == inner.end[order[:-1]]).all()), (r, parts)
+
+
+def test_nested_parts_of_a_dominant_document():
+    """Pareto mix, N = 4: a document of 57% of the tokens and 99% of the work. Each rank takes a
+    head and a tail of what the ranks outside it left, sized so that every rank receives about the
+    same: no rank receives more than 49% of an all-gather (balanced's best plan otherwise: 52%)."""
+    from doccp.plan.nested import nested_parts
+    layout = DocLayout.from_lengths(workloads.layout("pareto", 131072, 0))
+    mask, n = Mask.causal(), 4
+    lengths, work = layout.lengths, mask.row_work(0, layout.lengths, layout.lengths).double()
+    doc = int(torch.argmax(lengths))
+    fill = float(work.sum() - work[doc]) / (layout.num_tokens - int(lengths[doc]))
+    parts = nested_parts(doc, int(lengths[doc]), torch.full((n,), 32768), 1.005 * float(work.sum()) / n, fill, mask)
+    assert sorted(torch.bincount(parts.rank).tolist()) == [1, 2, 2, 2]  # three heads and tails, one middle
+    held = torch.zeros(n, dtype=torch.int64).index_add_(0, parts.rank, parts.length)
+    top = torch.zeros_like(held).scatter_reduce(0, parts.rank, parts.end, "amax")
+    assert int((top - held).max()) <= 0.49 * (layout.num_tokens - layout.num_tokens // n)
+
+
+def test_balanced_pins_the_nested_parts_of_a_dominant_document(monkeypatch):
+    """The same layout planned: the nested parts pinned, the other documents packed around them (the
+    same plan whether its configurations are solved in one pass or one at a time)."""
+    layout = DocLayout.from_lengths(workloads.layout("pareto", 131072, 0))
+    s = plan(layout, 4).stats()
+    whole, work = _whole(layout, 4, Mask.causal()), Mask.causal().row_work(0, layout.lengths, layout.lengths)
+    doc = int(torch.argmax(layout.lengths))
+    together, alone = (balanced._nested_plan(layout, 4, Mask.causal(), whole, work, doc, at_once=at_once)
+                       for at_once in (True, False))
+    assert together[1] == alone[1] and torch.equal(together[0].start, alone[0].start)
+    assert s.imbalance <= 1.01 and max(s.tokens) - min(s.tokens) <= 1
+    assert s.max_kv_fraction <= 0.49, s.kv_recv
+    monkeypatch.setattr(balanced, "_nested_plan", lambda *args, **kwargs: None)
+    assert plan(layout, 4).stats().max_kv_fraction == pytest.approx(0.5223, abs=0.0005)
 
 
 @pytest.mark.parametrize("lengths, n", [([3579, 2975], 8), ([137, 40, 6747, 117, 6066], 16)])

@@ -55,7 +55,12 @@ received instead of 56%); and again with such documents *hosted* by as few ranks
 needs, which get that much less of the whole documents (else every rank takes a sliver of a big
 document and the one holding its last sliver receives nearly all of it). Each reserve share is one
 more plan, solved with the first probes and scored against the search's best at its end (it
-never ends the search early: pinning passes may still find less KV). Where nothing balances (a
+never ends the search early: pinning passes may still find less KV). Where one document is too
+big to stay whole and the KV is still above the goal, its *nested* parts are tried last
+(:mod:`doccp.plan.nested`: each rank a head and a tail of what the ranks outside it left, the
+innermost the middle, sized so that no rank receives more than the least bound that fits), pinned,
+with the other documents shared out or packed around them (the same document: 49%). Where nothing
+balances (a
 few documents of a few tokens per rank can defeat every cut), the plan is head_tail's, which
 balances each document on its own under a causal mask.
 
@@ -86,6 +91,7 @@ from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan.exchange import visible_intervals
 from doccp.plan.head_tail import head_tail
+from doccp.plan.nested import nested_parts
 from doccp.plan.pieces import Pieces, cut_stream, even_sizes
 from doccp.ranges import expand, repeat
 
@@ -194,6 +200,9 @@ PACK_HEAD_RESERVE = (0.1, 0.35)
 PACK_HOSTED_RESERVE = (0.1, 0.35)
 #: Range of the sort key plans scored in one pass share (:func:`_scores`; below int64's).
 SCORE_KEY_LIMIT = 1 << 62
+#: Share of the work tolerance the nested parts of a document may take (the rest is room for the
+#: documents that fill the ranks up, whose work per token is only estimated).
+NESTED_CAP = 0.5
 
 
 class Chunking(NamedTuple):
@@ -358,6 +367,13 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
         result = solve(chunks, first_pins(chunks))
         if result is not None and (best_score is None or _better(result[1], best_score)):
             best, best_score = result[0], result[1]
+    # One document too big to stay whole, the KV above the goal: its nested parts, pinned.
+    big = torch.nonzero(~whole & (lengths > 0)).flatten()
+    if big.numel() == 1 and n <= PACK_RANKS and (best_score is None or best_score[0] or best_score[1] > kv_goal):
+        result = _nested_plan(layout, n, mask, whole, doc_work, int(big[0]),
+                              at_once=ahead(1 + len(PACK_HOSTED_RESERVE), 1))
+        if result is not None and (best_score is None or _better(result[1], best_score)):
+            best, best_score = result[0], result[1]
     # No balanced plan: tiny layouts (a few documents of a few tokens per rank) can defeat the
     # search's cuts, while head_tail balances every document on its own under a causal mask.
     if best_score is None or best_score[0]:
@@ -387,13 +403,15 @@ def _hosts(doc_work: torch.Tensor, whole: torch.Tensor, n: int) -> int:
 
 
 def _packings(lengths: torch.Tensor, doc_work: torch.Tensor, n: int, whole: torch.Tensor,
-              reserves: tuple[float, ...], hosts: int = 0) -> dict[float, torch.Tensor]:
+              reserves: tuple[float, ...], hosts: int = 0, taken: tuple[torch.Tensor, torch.Tensor] | None = None
+              ) -> dict[float, torch.Tensor]:
     """Per reserve share ``r``: documents pinned whole to ranks, heaviest first, each to the rank
     with the most work left to fill among those it fits (tokens and work), but for a *reserve* of
     the lightest documents holding at most ``r`` of the tokens: the sequence shares those out to
     make every rank exact, so only light (short) documents are cut. Pinned rank per document, -1
     where not pinned. With ``hosts``, ranks ``0 .. hosts - 1`` (the first the sequence fills) leave
-    room for an equal part of the tokens and work of the documents too big to stay whole.
+    room for an equal part of the tokens and work of the documents too big to stay whole; with
+    ``taken`` (tokens and work per rank), for what parts pinned already hold.
 
     One greedy pass serves every share (a reserve is a tail of the heaviest-first order, so each
     share's pass is a prefix of the longest); a few heap operations per document, for at most
@@ -407,6 +425,9 @@ def _packings(lengths: torch.Tensor, doc_work: torch.Tensor, n: int, whole: torc
     for r in range(hosts):
         tokens_left[r] -= int(lengths[~whole].sum()) // hosts
         work_left[r] -= float(doc_work[~whole].sum()) / hosts
+    if taken is not None:
+        tokens_left = [t - held for t, held in zip(tokens_left, taken[0].tolist(), strict=True)]
+        work_left = [w - held for w, held in zip(work_left, taken[1].tolist(), strict=True)]
     most_work = [(-w, r) for r, w in enumerate(work_left)]  # a heap: the rank with most work left first
     heapq.heapify(most_work)
     owner = [-1] * max(ends.values(), default=0)
@@ -433,6 +454,35 @@ def _most_chunks(lengths: torch.Tensor, whole: torch.Tensor, rank_tokens: int) -
     chunking): documents that can stay whole are one chunk each, the others are cut finely."""
     size = max(rank_tokens // max(CHUNKS_PER_RANK), 1)
     return int(whole.sum()) + int((-(-lengths[~whole] // size)).sum())
+
+
+def _nested_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, doc_work: torch.Tensor,
+                 doc: int, at_once: bool = True) -> tuple | None:
+    """The best plan that pins document ``doc``'s nested parts (:mod:`doccp.plan.nested`; sized
+    for a work cap between the mean and the tolerance, the other documents filling up at their mean
+    work per token): the sequence shares out every other document, or only a reserve of the
+    lightest after the rest is packed whole around the parts (:func:`_packings`); with its score
+    and cut pieces, or None. ``at_once``: the plans solved in one pass (else one at a time)."""
+    lengths, total, length = layout.lengths, float(doc_work.sum()), int(layout.lengths[doc])
+    fill = (total - float(doc_work[doc])) / max(layout.num_tokens - length, 1)
+    cap = (1 + (TOLERANCE - 1) * NESTED_CAP) * total / n
+    parts = nested_parts(doc, length, even_sizes(layout.num_tokens, n), cap, fill, mask)
+    if parts is None:
+        return None
+    work = mask.row_work(parts.start, parts.end, length).double()
+    taken = (torch.zeros(n, dtype=torch.int64).index_add_(0, parts.rank, parts.length),
+             torch.zeros(n, dtype=torch.float64).index_add_(0, parts.rank, work))
+    packed = _packings(lengths, doc_work, n, whole, PACK_HOSTED_RESERVE, taken=taken)
+    pins = [torch.full_like(lengths, -1), *packed.values()]
+    configs = [(Chunking(0), p) for p in pins]
+    batches = [configs] if at_once else [[c] for c in configs]
+    plans = [p for batch in batches for p in _sequence_plans(layout, n, mask, batch, whole, doc_work,
+                                                              [parts] * len(batch)) if p is not None]
+    best = None
+    for plan, (score, cut) in zip(plans, _scores(plans, layout, n, mask, whole), strict=True):
+        if best is None or _better(score, best[1]):
+            best = (plan, score, cut)
+    return best
 
 
 def _pins_again(round_: int, score: tuple[bool, int, int, float], cut: torch.Tensor) -> bool:
@@ -515,10 +565,12 @@ def _sequence_plan(layout: DocLayout, n: int, mask: Mask, chunking: Chunking, wh
 
 
 def _sequence_plans(layout: DocLayout, n: int, mask: Mask, configs: list[tuple[Chunking, torch.Tensor]],
-                    whole: torch.Tensor, doc_work: torch.Tensor) -> list[Pieces | None]:
+                    whole: torch.Tensor, doc_work: torch.Tensor, parts: list[Pieces] | None = None
+                    ) -> list[Pieces | None]:
     """The plan of the module docstring for each ``(chunking, pinned)``: documents ``pinned`` to a
     rank (>= 0) are that rank's, whole, and the sequence shares out the rest (None when the pinned
-    ones overfill a rank).
+    ones overfill a rank). ``parts``: per configuration, pieces pinned too (their documents all
+    pinned that way, e.g. :func:`~doccp.plan.nested.nested_parts`).
 
     Several configurations are solved in one pass, each as a group of a sequence of its own
     (rows never interact), so they cost one round of vectorised calls: small layouts are bound by
@@ -530,6 +582,9 @@ def _sequence_plans(layout: DocLayout, n: int, mask: Mask, configs: list[tuple[C
     for i, (chunking, pinned) in enumerate(configs):
         held = pinned >= 0
         p = Pieces.of(pinned[held], torch.nonzero(held).flatten(), 0, lengths[held])
+        if parts is not None:
+            p = Pieces.cat([p, parts[i]])
+            held = held.clone().index_fill_(0, parts[i].doc, True)
         t = even_sizes(layout.num_tokens, n) - torch.zeros(n, dtype=torch.int64).index_add_(0, p.rank, p.length)
         if bool((t < 0).any()):
             continue
@@ -540,7 +595,8 @@ def _sequence_plans(layout: DocLayout, n: int, mask: Mask, configs: list[tuple[C
         live.append(i)
         pins.append(p)
         tokens.append(t)
-        need.append(mean - torch.zeros(n, dtype=torch.float64).index_add_(0, p.rank, doc_work[held].double()))
+        work = mask.row_work(p.start, p.end, lengths[p.doc]).double()
+        need.append(mean - torch.zeros(n, dtype=torch.float64).index_add_(0, p.rank, work))
         layouts.append((chunking, rest))  # its documents left to the sequence
     if not live:
         return plans
