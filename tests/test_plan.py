@@ -817,6 +817,29 @@ def test_balanced_pins_the_nested_parts_of_a_dominant_document(monkeypatch):
     assert plan(layout, 4).stats().max_kv_fraction == pytest.approx(0.5223, abs=0.0005)
 
 
+def test_nested_plan_is_skipped_only_where_it_cannot_win(monkeypatch):
+    """The nested candidate stops after its parts where their own KV (each holder's keys of the
+    document it lacks) already loses to the best plan: only where the full candidate would lose."""
+    mask, skipped, solved = Mask.causal(), 0, 0
+    for mix, i, n in itertools.product(("pareto", "pretrain", "lognormal"), range(4), (2, 3, 4)):
+        layout = DocLayout.from_lengths(workloads.layout(mix, 8192, i))
+        whole, work = _whole(layout, n, mask), mask.row_work(0, layout.lengths, layout.lengths)
+        big = torch.nonzero(~whole & (layout.lengths > 0)).flatten()
+        if big.numel() != 1:
+            continue
+        with monkeypatch.context() as m:
+            m.setattr(balanced, "_nested_plan", lambda *args, **kwargs: None)
+            p = plan(layout, n, mask).stream_pieces
+        best = balanced._score(p, layout, n, mask, whole)[0]
+        full = balanced._nested_plan(layout, n, mask, whole, work, int(big[0]))
+        if balanced._nested_plan(layout, n, mask, whole, work, int(big[0]), best=best) is None:
+            skipped += 1
+            assert full is None or not balanced._better(full[1], best), (mix, i, n)
+        else:
+            solved += 1
+    assert skipped and solved  # both ways taken
+
+
 @pytest.mark.parametrize("lengths, n", [([3579, 2975], 8), ([137, 40, 6747, 117, 6066], 16)])
 def test_balanced_gives_each_big_document_its_own_ranks(lengths, n):
     """Two documents of about half the tokens each: one sequence over all ranks put one's tail and

@@ -371,7 +371,7 @@ def balanced(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     big = torch.nonzero(~whole & (lengths > 0)).flatten()
     if big.numel() == 1 and n <= PACK_RANKS and (best_score is None or best_score[0] or best_score[1] > kv_goal):
         result = _nested_plan(layout, n, mask, whole, doc_work, int(big[0]),
-                              at_once=ahead(1 + len(PACK_HOSTED_RESERVE), 1))
+                              at_once=ahead(1 + len(PACK_HOSTED_RESERVE), 1), best=best_score)
         if result is not None and (best_score is None or _better(result[1], best_score)):
             best, best_score = result[0], result[1]
     # No balanced plan: tiny layouts (a few documents of a few tokens per rank) can defeat the
@@ -457,12 +457,13 @@ def _most_chunks(lengths: torch.Tensor, whole: torch.Tensor, rank_tokens: int) -
 
 
 def _nested_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, doc_work: torch.Tensor,
-                 doc: int, at_once: bool = True) -> tuple | None:
+                 doc: int, at_once: bool = True, best: tuple | None = None) -> tuple | None:
     """The best plan that pins document ``doc``'s nested parts (:mod:`doccp.plan.nested`; sized
     for a work cap between the mean and the tolerance, the other documents filling up at their mean
     work per token): the sequence shares out every other document, or only a reserve of the
     lightest after the rest is packed whole around the parts (:func:`_packings`); with its score
-    and cut pieces, or None. ``at_once``: the plans solved in one pass (else one at a time)."""
+    and cut pieces, or None. ``at_once``: the plans solved in one pass (else one at a time);
+    ``best``: the score to beat (None where the parts' own KV shows that none of them can)."""
     lengths, total, length = layout.lengths, float(doc_work.sum()), int(layout.lengths[doc])
     fill = (total - float(doc_work[doc])) / max(layout.num_tokens - length, 1)
     cap = (1 + (TOLERANCE - 1) * NESTED_CAP) * total / n
@@ -472,6 +473,11 @@ def _nested_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, doc
     work = mask.row_work(parts.start, parts.end, length).double()
     taken = (torch.zeros(n, dtype=torch.int64).index_add_(0, parts.rank, parts.length),
              torch.zeros(n, dtype=torch.float64).index_add_(0, parts.rank, work))
+    if best is not None and not best[0]:  # a holder's keys of the document it lacks: KV every such plan has
+        top = torch.zeros(n, dtype=torch.int64).scatter_reduce_(0, parts.rank, parts.end, "amax")
+        least = int((top - taken[0]).max())
+        if least > best[1] * (1 + KV_SLACK) or (least > best[1] and best[2] == 0):  # cannot win (_better)
+            return None
     packed = _packings(lengths, doc_work, n, whole, PACK_HOSTED_RESERVE, taken=taken)
     pins = [torch.full_like(lengths, -1), *packed.values()]
     configs = [(Chunking(0), p) for p in pins]
