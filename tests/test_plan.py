@@ -1035,3 +1035,24 @@ def test_balanced_with_few_tokens_per_rank():
     s = plan(layout, 128).stats()
     assert s.imbalance <= 1.01 and max(s.tokens) - min(s.tokens) <= 1
     assert s.max_kv_fraction <= 0.2, s.max_kv_fraction
+
+
+
+def test_balanced_searches_in_inference_mode_and_returns_ordinary_tensors(monkeypatch):
+    """The search runs under ``torch.inference_mode`` (less dispatch overhead per op), but its plan
+    comes out as ordinary tensors: autograd may save them and code may update them in place,
+    neither of which an inference tensor allows. Planning inside a caller's inference mode works too."""
+    seen = []
+    search = balanced._search
+    monkeypatch.setattr(balanced, "_search", lambda *a: seen.append(torch.is_inference_mode_enabled()) or search(*a))
+    layout = DocLayout.from_lengths([37, 5, 64, 22, 0, 1])
+    pieces = balanced.balanced(layout, 3, Mask.causal())
+    assert seen == [True]
+    assert not any(c.is_inference() for c in (pieces.rank, pieces.doc, pieces.start, pieces.end))
+    x = torch.randn(int(pieces.end.max()), requires_grad=True)
+    x.index_select(0, pieces.start).sum().backward()  # autograd saves the index
+    assert x.grad.sum() == len(pieces)
+    pieces.start.add_(0)  # in place, outside inference mode
+    with torch.inference_mode():
+        inside = plan(layout, 3).stream_pieces
+    assert torch.equal(inside.start, plan(layout, 3).stream_pieces.start)
