@@ -1001,6 +1001,40 @@ def test_sequence_solve_rows_are_independent():
     assert bool(((together >= lo) & (together <= hi)).all())
 
 
+
+@pytest.mark.parametrize("levels", [1, 2, 4])
+def test_sequence_solve_is_the_plain_bisection(monkeypatch, levels):
+    """Several bisection steps per evaluation (a tree of midpoints, then the path the values
+    choose) find each row's root of the plain one-step bisection, written out here row by row:
+    solved brackets (lo == hi) stay put, falling rows (rising False) take the lower half above the
+    goal, and the root is the closer of the last two candidates."""
+    monkeypatch.setattr(balanced, "SOLVE_LEVELS", levels)
+    rng = random.Random(1)
+    torch.manual_seed(1)
+    layout = DocLayout.from_lengths([rng.randrange(0, 300) for _ in range(30)])
+    mask, n = Mask.causal(), 4
+    seq = balanced.Sequence.of_layout(layout.lengths, mask, -(-layout.num_tokens // n), _whole(layout, n, mask),
+                                      balanced.Chunking(4))
+    rows = 60
+    k = torch.randint(1, layout.num_tokens, (rows,))
+    lo = (torch.rand(rows) * k).long()
+    hi = torch.where(torch.arange(rows) % 5 == 0, lo, lo + (torch.rand(rows) * (k - lo)).long())
+    goal = seq.held(k // 2, k) * (0.5 + torch.rand(rows, dtype=torch.float64))
+    rising = torch.rand(rows) < 0.7
+    got = seq.solve(k, goal, lo, hi, rising=rising)
+
+    def held(x: int, i: int) -> float:
+        return float(seq.held(torch.tensor([x]), k[i:i + 1])[0])
+
+    for i in range(rows):
+        a, b = int(lo[i]), int(hi[i])
+        while a < b:
+            mid = (a + b) // 2
+            a, b = (mid + 1, b) if (held(mid, i) < float(goal[i])) == bool(rising[i]) else (a, mid)
+        prev = max(a - 1, int(lo[i]))
+        want = prev if abs(held(prev, i) - float(goal[i])) < abs(held(a, i) - float(goal[i])) else a
+        assert int(got[i]) == want, (i, int(lo[i]), int(hi[i]))
+
 def test_late_heads_keep_each_big_document_in_a_group_of_its_own():
     """Two documents of 38k and 35k tokens over 4 ranks (1.97 and 1.65 ranks' work; pretrain layout
     1): with every head split off at the start, ranks 0-1 took the 38k one and the 35k one's head

@@ -1018,26 +1018,23 @@ class Sequence:
         goal_, rising_ = _column(goal), _column(rising)
         while bool((lo < hi).any()):
             # The midpoints of the next `levels` bisection steps, for every path through them
-            # (level l: 2^l brackets per row, a step below the goal takes the upper half), held in
-            # one call; then the steps replayed along the path the values choose.
-            at, node_lo, node_hi = [], lo[:, None], hi[:, None]
+            # (level l: 2^l brackets per row, node i's halves are 2i and 2i + 1 a level down), held
+            # in one call; then the path the values choose, down to its bracket at the last level.
+            # A step below the goal takes the upper half; a solved bracket (lo == hi) the lower
+            # one, which is itself: a solved row stays put, each row's root its own bisection's.
+            at, open_, node_lo, node_hi = [], [], lo[:, None], hi[:, None]
             for _ in range(levels):
                 mid = (node_lo + node_hi) // 2
                 at.append(mid)
+                open_.append(node_lo < node_hi)
                 node_lo = torch.stack([node_lo, mid + 1], 2).flatten(1)
                 node_hi = torch.stack([mid, node_hi], 2).flatten(1)
             at = torch.cat(at, 1)
-            below = (held(at.flatten(), *wide).view(at.shape) < goal_) == rising_
-            node = torch.zeros_like(lo)
+            upper = ((held(at.flatten(), *wide).view(at.shape) < goal_) == rising_) & torch.cat(open_, 1)
+            node = torch.zeros_like(lo)[:, None]
             for level in range(levels):
-                live = lo < hi  # a solved row stays put: each row's root is its own bisection's
-                if level and not bool(live.any()):
-                    break
-                step = below.gather(1, (node + (1 << level) - 1)[:, None]).squeeze(1)
-                mid = (lo + hi) // 2
-                lo = torch.where(step & live, mid + 1, lo)
-                hi = torch.where(step | ~live, hi, mid)
-                node = 2 * node + step
+                node = 2 * node + upper.gather(1, node + ((1 << level) - 1))
+            lo, hi = node_lo.gather(1, node).squeeze(1), node_hi.gather(1, node).squeeze(1)
         prev = torch.maximum(lo - 1, lo0)
         both = held(torch.cat([prev, lo]), *(torch.cat([t, t]) if isinstance(t, torch.Tensor) and t.dim() else t
                                              for t in (k, g, front)))
