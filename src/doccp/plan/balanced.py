@@ -837,6 +837,14 @@ def _big_chunk_edges(seq: Sequence, groups: int) -> torch.Tensor:
     return edges
 
 
+def _at(column: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``column[index]`` for an index tensor of any shape, by ``index_select``: the search makes
+    thousands of these small gathers, each ~2x cheaper than advanced indexing."""
+    if index.dim() == 1:
+        return column.index_select(0, index)
+    return column.index_select(0, index.reshape(-1)).view(index.shape)
+
+
 def _column(v: torch.Tensor | int) -> torch.Tensor:
     """``v`` (per row, or one scalar for all) as a column that broadcasts against ``[rows, width]``."""
     return torch.as_tensor(v).reshape(-1, 1)
@@ -934,6 +942,7 @@ class Sequence:
         self.doc, self.start, self.doc_len, self.whole_ok = doc[order], start[order], doc_len[order], whole[doc][order]
         self.last = last[order] if last is not None else torch.zeros(order.numel(), dtype=torch.bool)
         self.lengths = (end - start)[order]
+        self.end = self.start + self.lengths  # where each chunk's reversed run starts in its document
         self.work = work[order]
         self.cu = torch.cat([lengths.new_zeros(1), torch.cumsum(self.lengths, 0)])
         self.cu_work = torch.cat([self.work.new_zeros(1), torch.cumsum(self.work, 0)]).double()
@@ -945,6 +954,7 @@ class Sequence:
         sizes = torch.bincount(group, minlength=groups) if group is not None else doc.new_full((1,), doc.numel())
         self.group_chunks = torch.cat([sizes.new_zeros(1), torch.cumsum(sizes, 0)])  # chunk bounds of each group
         self.group_cu, self.group_cu_work = self.cu[self.group_chunks], self.cu_work[self.group_chunks]
+        self.group_tokens = torch.diff(self.group_cu)
 
     @classmethod
     def of_layout(cls, lengths: torch.Tensor, mask: Mask, rank_tokens: int, whole: torch.Tensor,
@@ -973,19 +983,21 @@ class Sequence:
 
     def group_bounds(self, g: torch.Tensor | None) -> tuple:
         """(token base, tokens, work base, work end) of groups ``g``; None: of every group."""
-        lo, hi = (slice(None, -1), slice(1, None)) if g is None else (g, g + 1)
-        return self.group_cu[lo], self.group_cu[hi] - self.group_cu[lo], self.group_cu_work[lo], self.group_cu_work[hi]
+        if g is None:
+            return self.group_cu[:-1], self.group_tokens, self.group_cu_work[:-1], self.group_cu_work[1:]
+        return (_at(self.group_cu, g), _at(self.group_tokens, g), _at(self.group_cu_work, g),
+                _at(self.group_cu_work[1:], g))
 
     def locate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence document holding position ``x`` (the last one for ``x = T``) and the offset."""
         i = (torch.searchsorted(self.cu, x, right=True) - 1).clamp(max=self.lengths.numel() - 1)
-        return i, x - self.cu[i]
+        return i, x - _at(self.cu, i)
 
     def prefix_work(self, x: torch.Tensor) -> torch.Tensor:
         """Work of the first ``x`` tokens of the sequence (float64)."""
         i, o = self.locate(x)
-        end = self.start[i] + self.lengths[i]
-        return self.cu_work[i] + self.mask.row_work(end - o, end, self.doc_len[i]).double()
+        end = _at(self.end, i)
+        return _at(self.cu_work, i) + self.mask.row_work(end - o, end, _at(self.doc_len, i)).double()
 
     def held(self, x: torch.Tensor, k: torch.Tensor, g: torch.Tensor | None = None,
              u: torch.Tensor | None = None) -> torch.Tensor:
@@ -1055,7 +1067,7 @@ class Sequence:
             i = self.locate(base + cut)[0]
             for j in range(-SNAP_REACH, SNAP_REACH + 2):  # this cut onto a nearby chunk boundary
                 near = torch.minimum(torch.maximum(i + j, torch.as_tensor(first)), torch.as_tensor(last))
-                candidates.append(x + self.cu[near] - base - cut)
+                candidates.append(x + _at(self.cu, near) - base - cut)
         cands = torch.stack(candidates, 1).maximum(_column(lo)).minimum(_column(hi))
         width = cands.shape[1]
         per_row = None if g is None else g.repeat_interleave(width)
@@ -1075,12 +1087,12 @@ class Sequence:
         """A cut at sequence position ``cut`` inside a document: a big penalty when the document
         could stay whole (fits one rank), plus the KV its receiver needs (its prefix before the cut)."""
         i, o = self.locate(cut)
-        inside = (o > 0) & (o < self.lengths[i])
-        kv = (self.start[i] + self.lengths[i] - o).double()  # reversed chunks: the later part starts there
-        penalty = torch.where(self.whole_ok[i], self.penalty[i], 0.0)
+        inside = (o > 0) & (o < _at(self.lengths, i))
+        kv = (_at(self.end, i) - o).double()  # reversed chunks: the later part starts there
+        penalty = torch.where(_at(self.whole_ok, i), _at(self.penalty, i), 0.0)
         return torch.where(inside, kv + penalty, 0.0)
 
     def pieces(self, cut: Pieces, ranks: torch.Tensor) -> Pieces:
         """Pieces of the sequence's ranges (``cut_stream`` over the chunks) as document pieces."""
-        end = self.start[cut.doc] + self.lengths[cut.doc]
-        return Pieces(ranks[cut.rank], self.doc[cut.doc], end - cut.end, end - cut.start)
+        end = _at(self.end, cut.doc)
+        return Pieces(_at(ranks, cut.rank), _at(self.doc, cut.doc), end - cut.end, end - cut.start)
