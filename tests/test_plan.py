@@ -981,15 +981,20 @@ def test_solving_ahead_never_changes_the_plan(monkeypatch):
     assert max(widths) == 1
 
 
+def _random_sequence(seed: int) -> tuple[DocLayout, balanced.Sequence]:
+    """A causal sequence of 30 random documents (up to 300 tokens) for 4 ranks; torch seeded too."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    layout = DocLayout.from_lengths([rng.randrange(0, 300) for _ in range(30)])
+    mask, n = Mask.causal(), 4
+    return layout, balanced.Sequence.of_layout(layout.lengths, mask, -(-layout.num_tokens // n),
+                                               _whole(layout, n, mask), balanced.Chunking(4))
+
+
 def test_sequence_solve_rows_are_independent():
     """Each row's root is its own bisection's: the same whether solved alone or beside rows that take
     more steps, and never outside its bracket."""
-    rng = random.Random(0)
-    torch.manual_seed(0)
-    layout = DocLayout.from_lengths([rng.randrange(0, 300) for _ in range(30)])
-    mask, n = Mask.causal(), 4
-    seq = balanced.Sequence.of_layout(layout.lengths, mask, -(-layout.num_tokens // n), _whole(layout, n, mask),
-                                      balanced.Chunking(4))
+    layout, seq = _random_sequence(0)
     rows = 300
     k = torch.randint(1, layout.num_tokens, (rows,))
     lo = (torch.rand(rows) * k).long()
@@ -1001,7 +1006,6 @@ def test_sequence_solve_rows_are_independent():
     assert bool(((together >= lo) & (together <= hi)).all())
 
 
-
 @pytest.mark.parametrize("levels", [1, 2, 4])
 def test_sequence_solve_is_the_plain_bisection(monkeypatch, levels):
     """Several bisection steps per evaluation (a tree of midpoints, then the path the values
@@ -1009,12 +1013,7 @@ def test_sequence_solve_is_the_plain_bisection(monkeypatch, levels):
     solved brackets (lo == hi) stay put, falling rows (rising False) take the lower half above the
     goal, and the root is the closer of the last two candidates."""
     monkeypatch.setattr(balanced, "SOLVE_LEVELS", levels)
-    rng = random.Random(1)
-    torch.manual_seed(1)
-    layout = DocLayout.from_lengths([rng.randrange(0, 300) for _ in range(30)])
-    mask, n = Mask.causal(), 4
-    seq = balanced.Sequence.of_layout(layout.lengths, mask, -(-layout.num_tokens // n), _whole(layout, n, mask),
-                                      balanced.Chunking(4))
+    layout, seq = _random_sequence(1)
     rows = 60
     k = torch.randint(1, layout.num_tokens, (rows,))
     lo = (torch.rand(rows) * k).long()
