@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from doccp.plan.exchange import document_overlaps, overlaps
 from doccp.plan.pieces import Pieces
-from doccp.ranges import expand, offsets_within, repeat, stable_order
+from doccp.ranges import all_true, any_true, expand, offsets_within, repeat, stable_order
 
 SETTINGS = settings(max_examples=200, deadline=None)
 RUNS = st.lists(st.tuples(st.integers(-100, 100), st.integers(0, 4), st.integers(-3, 3)), max_size=10)
@@ -80,3 +80,9 @@ def test_stable_order_is_a_stable_argsort_on_any_key_width(keys, bound):
     keys = [k % bound for k in keys] if bound else keys
     want = sorted(range(len(keys)), key=lambda i: keys[i])  # Python's sort is stable
     assert stable_order(torch.tensor(keys, dtype=torch.int64), bound).tolist() == want
+
+
+@given(st.lists(st.booleans(), max_size=40))
+def test_all_true_and_any_true_are_all_and_any(values):
+    mask = torch.tensor(values, dtype=torch.bool)
+    assert all_true(mask) is all(values) and any_true(mask) is any(values)

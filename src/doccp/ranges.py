@@ -76,12 +76,24 @@ def offsets_within(group: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(before).scatter_(0, order, before - take(before, start))
 
 
+def all_true(mask: torch.Tensor) -> bool:
+    """``bool(mask.all())`` for a bool tensor, by counting: on CPU, ``Tensor.all`` on a host
+    table of 10^5 entries takes ~3x as long as ``torch.count_nonzero`` (and ``(x >= 0).all()``
+    ~10x as long as ``x.min() >= 0``: prefer a reduction of the values to a test of a mask)."""
+    return int(torch.count_nonzero(mask)) == mask.numel()
+
+
+def any_true(mask: torch.Tensor) -> bool:
+    """``bool(mask.any())`` for a bool tensor, by counting (see :func:`all_true`)."""
+    return int(torch.count_nonzero(mask)) > 0
+
+
 def index_of(keep):
     """``keep`` ready to take rows from several columns: ``None`` for an all-true bool mask (take
     nothing, keep everything), the indices of a bool mask (found once, not once per column), or
     ``keep`` itself (indices or a slice)."""
     if isinstance(keep, torch.Tensor) and keep.dtype == torch.bool:
-        return None if bool(keep.all()) else torch.nonzero(keep).squeeze(1)
+        return None if all_true(keep) else torch.nonzero(keep).squeeze(1)
     return keep
 
 

@@ -32,7 +32,7 @@ from doccp.kernels.runs import Runs, Work, clip_to_others, keys_seen, work
 from doccp.kernels.slices import FIELDS, Slices, paired
 from doccp.plan import Plan
 from doccp.plan.exchange import overlaps
-from doccp.ranges import index_of, stable_order, take
+from doccp.ranges import any_true, index_of, stable_order, take
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,11 @@ def ring_blocks(plan: Plan) -> RingBlocks:
         joined = head_end >= tail_start
         head = p.start, torch.where(joined, p.end, head_end)
         tail_start = torch.where(joined, p.end, tail_start)
-        used = [head] if bool((head[1] > head[0]).any()) else []
+        used = [head] if any_true(head[1] > head[0]) else []
     tail = tail_start, p.end
     g0, g1 = plan.stream_bounds
     base = g0 - p.start  # each piece's document's stream offset
-    if used and bool((tail[1] > tail[0]).any()):  # a piece may have two parts: two entries per piece
+    if used and any_true(tail[1] > tail[0]):  # a piece may have two parts: two entries per piece
         lo, hi = torch.stack([head[0], tail[0]], 1), torch.stack([head[1], tail[1]], 1)
         rank, base = (x[:, None].expand_as(lo).reshape(-1) for x in (p.rank, base))
     else:  # one part per piece at most (causal: the tail, which may be all of it)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from doccp.masks import BandMask, Mask
-from doccp.ranges import expand, index_of, repeat, take
+from doccp.ranges import all_true, expand, index_of, repeat, take
 
 FIELDS = ("q_start", "q_end", "k_start", "k_end", "q_pos0", "k_pos0")
 
@@ -85,7 +85,7 @@ def pair_slices(q_doc: torch.Tensor, q_row: torch.Tensor, q_pos: torch.Tensor, q
     """
     if q_doc.numel() == 0 or k_doc.numel() == 0:
         return Slices.empty()
-    order = None if bool((k_doc[1:] >= k_doc[:-1]).all()) else torch.argsort(k_doc, stable=True)
+    order = None if all_true(k_doc[1:] >= k_doc[:-1]) else torch.argsort(k_doc, stable=True)
     k_doc, k_row, k_pos, k_len = (take(x, order) for x in (k_doc, k_row, k_pos, k_len))
     first = torch.searchsorted(k_doc, q_doc, right=False)
     count = torch.searchsorted(k_doc, q_doc, right=True) - first
@@ -137,4 +137,4 @@ def trim(slices: Slices, mask: BandMask) -> Slices:
     keep = (k_hi > k_lo) & (q_hi > q_lo)
     qs, ks = slices.q_start + (q_lo - qp), slices.k_start + (k_lo - kp)
     out = Slices(qs, qs + (q_hi - q_lo), ks, ks + (k_hi - k_lo), q_lo, k_lo)
-    return out if bool(keep.all()) else out.select(keep)
+    return out if all_true(keep) else out.select(keep)

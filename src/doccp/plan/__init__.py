@@ -24,7 +24,7 @@ from doccp.plan.balanced import balanced
 from doccp.plan.exchange import Intervals, kv_exchange, visible_intervals
 from doccp.plan.head_tail import head_tail
 from doccp.plan.pieces import Pieces, cut_stream, even_sizes
-from doccp.ranges import expand, repeat, stable_order, take
+from doccp.ranges import any_true, expand, repeat, stable_order, take
 
 __all__ = ["Plan", "PlanStats", "plan", "STRATEGIES", "Pieces", "Intervals"]
 
@@ -80,12 +80,12 @@ def _partitions(plan: Plan, normalized: bool = False) -> bool:
     p, layout = plan.stream_pieces, plan.layout
     if layout.num_tokens == 0 or len(p) == 0:
         return len(p) == 0 and layout.num_tokens == 0
-    g0, g1 = plan.stream_bounds
-    ok = (int(g0[0]) == 0 and int(g1[-1]) == layout.num_tokens and bool((g0[1:] == g1[:-1]).all())
-          and bool((p.start >= 0).all()) and bool((p.end <= take(layout.lengths, p.doc)).all()))
+    g0, g1 = plan.stream_bounds  # (reductions of the values, not tests of masks: see ranges.all_true)
+    ok = (int(g0[0]) == 0 and int(g1[-1]) == layout.num_tokens and torch.equal(g0[1:], g1[:-1])
+          and int(p.start.min()) >= 0 and int((p.end - take(layout.lengths, p.doc)).max()) <= 0)
     if ok and normalized:
-        ok = bool((p.end > p.start).all()) and not bool(
-            ((p.rank[1:] == p.rank[:-1]) & (p.doc[1:] == p.doc[:-1])).any())
+        ok = int((g1 - g0).min()) > 0 and not any_true(
+            (p.rank[1:] == p.rank[:-1]).logical_and_(p.doc[1:] == p.doc[:-1]))
     return ok
 
 

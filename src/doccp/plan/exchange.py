@@ -61,12 +61,15 @@ def visible_intervals(pieces: Pieces, lengths: torch.Tensor, mask: Mask, order: 
         p = pieces.select(order) if order is not None else pieces
         lo, hi = mask.visible_keys(p.start, p.end, take(lengths, p.doc))
         return Pieces(p.rank, p.doc, lo, hi).normalized_union()
-    rank, doc = take(pieces.rank, order), take(pieces.doc, order)
+    # A group ends where the document changes or at a rank's last piece (ranks ascend in this
+    # order: their ends are one bincount away, no gather of the rank column).
+    doc = take(pieces.doc, order)
     last = torch.ones(len(pieces), dtype=torch.bool)
-    last[:-1] = (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1])
+    torch.ne(doc[1:], doc[:-1], out=last[:-1])
+    last.index_fill_(0, torch.cumsum(torch.bincount(pieces.rank), 0) - 1, True)
     index = torch.nonzero(last).squeeze(1)
-    rank, doc = take(rank, index), take(doc, index)
     index = take(order, index) if order is not None else index
+    rank, doc = take(pieces.rank, index), take(pieces.doc, index)
     hi = mask.visible_keys(take(pieces.start, index), take(pieces.end, index), take(lengths, doc))[1]
     seen = Pieces(rank, doc, torch.zeros_like(hi), hi)
     return seen.select(hi > 0)  # empty pieces see nothing

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from doccp.ranges import index_of, take
+from doccp.ranges import all_true, any_true, index_of, take
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Pieces:
         docs = int(p.doc.max()) + 1
         group_key = p.rank * docs + p.doc if by_rank else p.doc
         key = group_key * big + p.start
-        if not bool((key[1:] >= key[:-1]).all()):  # strategies usually emit pieces in order already
+        if not all_true(key[1:] >= key[:-1]):  # strategies usually emit pieces in order already
             order = torch.argsort(key)
             p, group_key = p.select(order), take(group_key, order)
         # A run's end: with overlaps, the running max of `end` within its group at the run's last
@@ -86,7 +86,7 @@ class Pieces:
         same = (group_key[1:] == group_key[:-1]) & touches
         if not by_rank:
             same &= p.rank[1:] == p.rank[:-1]
-        if not bool(same.any()):
+        if not any_true(same):
             return p
         first = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), ~same])).squeeze(1)
         last = torch.nonzero(torch.cat([~same, torch.ones(1, dtype=torch.bool)])).squeeze(1)
