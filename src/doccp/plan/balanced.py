@@ -544,14 +544,16 @@ def _scores(plans: list[Pieces], layout: DocLayout, n: int, mask: Mask, whole: t
     of_plan = torch.arange(m).repeat_interleave(torch.tensor(sizes))
     pieces = Pieces.cat(plans) if m > 1 else plans[0]
     pieces = Pieces(pieces.rank + of_plan * n, pieces.doc, pieces.start, pieces.end) if m > 1 else pieces
+    doc_len = _at(lengths, pieces.doc)
     work = torch.zeros(m * n, dtype=torch.float64).index_add_(
-        0, pieces.rank, mask.row_work(pieces.start, pieces.end, lengths[pieces.doc]).double()).view(m, n)
+        0, pieces.rank, mask.row_work(pieces.start, pieces.end, doc_len).double()).view(m, n)
     spread = (work.max(1).values / work.mean(1).clamp(min=1.0)).tolist()
     p = pieces.normalized()
     seen = visible_intervals(p, lengths, mask)
     kv = torch.zeros(m * n, dtype=torch.int64).index_add_(0, seen.rank, seen.length).index_add_(0, p.rank, -p.length)
-    cut = whole[pieces.doc] & (pieces.length < lengths[pieces.doc])
-    cut_docs = torch.unique(of_plan[cut] * max(layout.num_docs, 1) + pieces.doc[cut]) // max(layout.num_docs, 1)
+    cut = _at(whole, pieces.doc) & (pieces.length < doc_len)
+    at = torch.nonzero(cut).flatten()
+    cut_docs = torch.unique(_at(of_plan, at) * max(layout.num_docs, 1) + _at(pieces.doc, at)) // max(layout.num_docs, 1)
     cuts = torch.bincount(cut_docs, minlength=m).tolist()
     return [((s > TOLERANCE, most, c, s), one_cut) for s, most, c, one_cut in
             zip(spread, kv.view(m, n).max(1).values.tolist(), cuts, torch.split(cut, sizes), strict=True)]
@@ -718,13 +720,13 @@ def _bisection_plans(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor,
     slack = SNAP_SLACK * float(mask.row_work(0, lengths, lengths).sum()) / n
     while bool((count > 1).any()):
         if bool(late.any()):  # groups of two ranks: each big document's chunk gives its head to the back
-            group_variant = variant[chunks.rank]
-            big = (late[group_variant] & (count[chunks.rank] == 2) & ~whole[chunks.doc] & ~head
+            group_variant = _at(variant, chunks.rank)
+            big = (_at(late, group_variant) & (_at(count, chunks.rank) == 2) & ~_at(whole, chunks.doc) & ~head
                    & (chunks.length > 1))
-            mid = chunks.start + (chunks.length * head_back[group_variant]).long().clamp(min=1)
+            mid = chunks.start + (chunks.length * _at(head_back, group_variant)).long().clamp(min=1)
             tails = Pieces(chunks.rank, chunks.doc, torch.where(big, mid, chunks.start), chunks.end)
             b = torch.nonzero(big).flatten()
-            chunks = Pieces.cat([tails, Pieces(chunks.rank[b], chunks.doc[b], chunks.start[b], mid[b])])
+            chunks = Pieces.cat([tails, Pieces(*(_at(c, b) for c in (chunks.rank, chunks.doc, chunks.start, mid)))])
             head = torch.cat([head, torch.ones(b.numel(), dtype=torch.bool)])
         seq = Sequence(chunks.doc, chunks.start, chunks.end, lengths, whole, mask, group=chunks.rank,
                        groups=count.numel(), last=head if bool((head_back > 0).any()) else None)
@@ -739,15 +741,15 @@ def _bisection_plans(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor,
         new = torch.cumsum(1 + split.long(), 0) - 1 - split.long()  # first new group of each group
         labels = torch.stack([new, new + 1, new, new + 1], 1).flatten()
         cut = cut_stream(seq.cu, torch.stack([front, gap, span, rest], 1).flatten())
-        chunks, head = seq.pieces(cut, labels), seq.last[cut.doc]
+        chunks, head = seq.pieces(cut, labels), _at(seq.last, cut.doc)
         size = int(new[-1]) + 1 + int(split[-1])
         a, b = new[g], new[g] + 1  # the split groups' halves
         first, count, budget, variant = (t.new_zeros(size).index_copy_(0, new, t)
                                          for t in (first, count, budget, variant))
         first[b], count[b], budget[b], variant[b] = first[a] + h, count[a] - h, budget[a] - used, variant[a]
         count[a], budget[a] = h, budget[b]
-    plans = Pieces(first[chunks.rank], chunks.doc, chunks.start, chunks.end)
-    of_chunk = variant[chunks.rank]
+    plans = Pieces(_at(first, chunks.rank), chunks.doc, chunks.start, chunks.end)
+    of_chunk = _at(variant, chunks.rank)
     return [plans.select(of_chunk == i) for i in range(m)]
 
 
@@ -899,15 +901,15 @@ def _chunks(lengths: torch.Tensor, rank_tokens: int, whole: torch.Tensor, chunki
         count = torch.where(one, (lengths > 0).long(), -(-lengths // size))
     doc = repeat(torch.arange(lengths.numel()), count)
     from_end = expand(torch.zeros_like(count), count)  # chunk k of a document, from its end
-    doc_len = lengths[doc]
+    doc_len, one = _at(lengths, doc), _at(one, doc)
     if head_back:
         split = (doc_len * head_back).long()
-        end = torch.where(one[doc] | (from_end == 0), doc_len, split)
-        start = torch.where(one[doc] | (from_end > 0), 0, split)
+        end = torch.where(one | (from_end == 0), doc_len, split)
+        start = torch.where(one | (from_end > 0), 0, split)
     else:  # chunk k ends at L - k * size (the short remainder is the head)
-        end = torch.where(one[doc], doc_len, doc_len - from_end * size)
-        start = torch.where(one[doc], 0, (end - size).clamp(min=0))
-    heads = (~one[doc] & (from_end > 0)) if head_back else None  # heads last
+        end = torch.where(one, doc_len, doc_len - from_end * size)
+        start = torch.where(one, 0, (end - size).clamp(min=0))
+    heads = (~one & (from_end > 0)) if head_back else None  # heads last
     return doc, start, end, heads
 
 
@@ -933,27 +935,29 @@ class Sequence:
         (False first), then density (work per token) descending. ``penalty``: per group, the cost
         of a cut that could be avoided, beyond any KV (default: one plan's tokens)."""
         self.mask = mask
-        doc_len = lengths[doc]
+        doc_len = _at(lengths, doc)
         work = mask.row_work(start, end, doc_len)
         order = torch.argsort(work.double() / (end - start).clamp(min=1).double(), descending=True, stable=True)
         for key in (last, group if groups > 1 else None):
             if key is not None:
-                order = order[torch.argsort(key[order].to(torch.int32), stable=True)]
-        self.doc, self.start, self.doc_len, self.whole_ok = doc[order], start[order], doc_len[order], whole[doc][order]
-        self.last = last[order] if last is not None else torch.zeros(order.numel(), dtype=torch.bool)
-        self.lengths = (end - start)[order]
+                order = _at(order, torch.argsort(_at(key, order).to(torch.int32), stable=True))
+        self.doc, self.start, self.doc_len = _at(doc, order), _at(start, order), _at(doc_len, order)
+        self.whole_ok = _at(whole, self.doc)
+        self.last = _at(last, order) if last is not None else torch.zeros(order.numel(), dtype=torch.bool)
+        self.lengths = _at(end - start, order)
         self.end = self.start + self.lengths  # where each chunk's reversed run starts in its document
-        self.work = work[order]
+        self.work = _at(work, order)
         self.cu = torch.cat([lengths.new_zeros(1), torch.cumsum(self.lengths, 0)])
         self.cu_work = torch.cat([self.work.new_zeros(1), torch.cumsum(self.work, 0)]).double()
         self.total = int(self.cu[-1])
         self.total_work = float(self.cu_work[-1])
         if penalty is None:
             penalty = torch.full((groups,), float(lengths.sum()), dtype=torch.float64)
-        self.penalty = penalty[group[order]] if group is not None else penalty.expand(order.numel())  # per chunk
+        # per chunk
+        self.penalty = _at(penalty, _at(group, order)) if group is not None else penalty.expand(order.numel())
         sizes = torch.bincount(group, minlength=groups) if group is not None else doc.new_full((1,), doc.numel())
         self.group_chunks = torch.cat([sizes.new_zeros(1), torch.cumsum(sizes, 0)])  # chunk bounds of each group
-        self.group_cu, self.group_cu_work = self.cu[self.group_chunks], self.cu_work[self.group_chunks]
+        self.group_cu, self.group_cu_work = _at(self.cu, self.group_chunks), _at(self.cu_work, self.group_chunks)
         self.group_tokens = torch.diff(self.group_cu)
 
     @classmethod
