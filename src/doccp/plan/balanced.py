@@ -807,12 +807,18 @@ def _group_splits(seq: Sequence, rank_cu: torch.Tensor, first: torch.Tensor, cou
         start = front.flatten().index_copy(0, entry, seq.snap(found, k_, goal_, slack, g_, at)).view(front.shape)
         x, u = torch.cat([x, front], 1), torch.cat([u, start], 1)
         valid = torch.cat([valid, usable], 1)
-    k_, goal_, g_ = each(x)
-    err = (seq.held(x.flatten(), k_, g_, u.flatten()) - goal_).view(x.shape).abs()
-    rel = err / torch.minimum(goal, work1 - work0 - goal).clamp(min=1.0)[:, None]
+    # The work error and the cost of the valid candidates only (most brackets hold no crossing):
+    # the others are never picked, as every row keeps a valid root (its crossing or its closest
+    # bracket), and they stay at 0 (no NaN: a row's keys compare).
+    at = torch.nonzero(valid.flatten()).flatten()
+    row = at // x.shape[1]
+    xs, us, ks = x.flatten().index_select(0, at), u.flatten().index_select(0, at), k.index_select(0, row)
+    err = (seq.held(xs, ks, g.index_select(0, row), us) - goal.index_select(0, row)).abs()
+    scale = torch.minimum(goal, work1 - work0 - goal).clamp(min=1.0).index_select(0, row)
+    rel = torch.zeros(x.numel(), dtype=torch.float64).index_copy_(0, at, err / scale).view(x.shape)
     valid &= (rel <= budget[g][:, None]) | (torch.arange(x.shape[1]) < BRACKETS)  # roots: within the slack
-    cut = base[:, None] + torch.cat([x, u, u + k[:, None] - x], 1)
-    cost = seq.cut_cost(cut).view(x.shape[0], 3, -1).sum(1)
+    ends = base.index_select(0, row) + torch.stack([xs, us, us + ks - xs])
+    cost = torch.zeros(x.numel(), dtype=torch.float64).index_copy_(0, at, seq.cut_cost(ends).sum(0)).view(x.shape)
     # Per group: least KV (documents that could stay whole first), then the most even h, the least error.
     widest = torch.zeros_like(count).scatter_reduce(0, variant, count, "amax")  # per plan
     key = torch.where(valid, cost, torch.inf) * (2 * widest[variant[g]]).double()[:, None] + rel.clamp(max=0.5)
@@ -1079,11 +1085,14 @@ class Sequence:
         held = (self.held(cands.flatten(), k_, per_row) if front is None else
                 self.held(front.repeat_interleave(width), k_, per_row, cands.flatten()))
         err = (held.view_as(cands.double()) - goal[:, None]).abs()
-        at = cands + _column(base)
-        cost = self.cut_cost(at) + self.cut_cost(at + _column(offset))
         ok = err <= slack
         ok[:, 0] = True  # the bisection's own cut is always allowed
-        score = torch.where(ok, cost, torch.finfo(torch.float64).max)
+        # The cost of the allowed pairs of cuts only (the others score the largest float).
+        allowed = torch.nonzero(ok.flatten()).flatten()
+        at = cands + _column(base)
+        ends = torch.stack([at.flatten(), (at + _column(offset)).flatten()]).index_select(1, allowed)
+        score = torch.full((cands.numel(),), torch.finfo(torch.float64).max, dtype=torch.float64)
+        score = score.index_copy_(0, allowed, self.cut_cost(ends).sum(0)).view(cands.shape)
         best = torch.argmin(score, 1)
         return cands.gather(1, best[:, None]).squeeze(1)
 
