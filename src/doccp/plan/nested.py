@@ -20,10 +20,14 @@ per token. The least ``K`` for which the document fits is found on a grid of bou
 once, every bound's pass at once (vectorised over the grid; the loop is over the ranks the
 document needs, a handful). The ``balanced`` planner pins the parts to their ranks and shares
 out the other documents around them, and keeps the plan if it scores best (measured on Pareto
-layouts: a document of 57% of the tokens over 4 ranks, 0.522 -> 0.489 of an all-gather).
+layouts: a document of 57% of the tokens over 4 ranks, 0.522 -> 0.489 of an all-gather). It sizes
+the parts for a few fill densities, the mean and lighter ones: the outer ranks, which hold most of
+the document, can be filled with the lightest documents, and then hold more of it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -37,24 +41,33 @@ NESTED_GRID = 16
 TAIL_GRID = 64
 
 
-def nested_parts(doc: int, length: int, rank_tokens: torch.Tensor, cap: float, fill_density: float,
-                 mask: Mask) -> Pieces | None:
+def nested_parts(doc: int, length: int, rank_tokens: torch.Tensor, cap: float, fill_densities: Sequence[float],
+                 mask: Mask) -> list[Pieces | None]:
     """Parts of document ``doc`` (``length`` tokens) per rank, ranks 0, 1, ... from the outside in
-    (see the module docstring), for the least bound the greedy fits; None when none does.
-    ``rank_tokens``: every rank's tokens; ``cap``: the most work a rank may do;
-    ``fill_density``: work per token of the other documents that fill the ranks up."""
+    (see the module docstring), for the least bound the greedy fits (None where none does), one
+    entry per fill density: ``fill_densities`` are the work per token assumed of the other
+    documents that fill the ranks up, all searched in the same vectorised passes.
+    ``rank_tokens``: every rank's tokens; ``cap``: the most work a rank may do."""
+    found: list[Pieces | None] = [None] * len(fill_densities)
     if length <= 0 or not _prefix_mask(mask, length):
-        return None
-    lo_k, hi_k, found = 0, length, None
+        return found
+    search = dict.fromkeys(range(len(fill_densities)), (0, length))  # the bounds still open, per density
     for _ in range(2):  # the grid, then the interval where it turns feasible
-        bounds = torch.linspace(lo_k, hi_k, NESTED_GRID).round().long().unique()
-        greedy = _Greedy(length, rank_tokens, cap, fill_density, mask, bounds)
-        if not bool(greedy.fits.any()):
-            break
-        first = int(torch.nonzero(greedy.fits)[0])
-        found = greedy.parts(first, doc)
-        lo_k, hi_k = (int(bounds[first - 1]) if first else 0), int(bounds[first])
-        if hi_k - lo_k <= 1:
+        grids = {i: torch.linspace(lo, hi, NESTED_GRID).round().long().unique() for i, (lo, hi) in search.items()}
+        fills = torch.cat([torch.full((g.numel(),), float(fill_densities[i]), dtype=torch.float64)
+                           for i, g in grids.items()])
+        greedy = _Greedy(length, rank_tokens, cap, fills, mask, torch.cat(list(grids.values())))
+        search, at = {}, 0
+        for i, bounds in grids.items():
+            fits = greedy.fits[at:at + bounds.numel()]
+            if bool(fits.any()):
+                first = int(torch.nonzero(fits)[0])
+                found[i] = greedy.parts(at + first, doc)
+                lo_k, hi_k = (int(bounds[first - 1]) if first else 0), int(bounds[first])
+                if hi_k - lo_k > 1:
+                    search[i] = (lo_k, hi_k)
+            at += bounds.numel()
+        if not search:
             break
     return found
 
@@ -65,12 +78,13 @@ def _prefix_mask(mask: Mask, length: int) -> bool:
 
 
 class _Greedy:
-    """The outside-in pass of the module docstring for every bound in ``bounds`` at once:
-    ``fits`` per bound, and each rank's parts under each bound (:meth:`parts`)."""
+    """The outside-in pass of the module docstring for every bound in ``bounds`` at once (each with
+    its fill density, ``fills``): ``fits`` per bound, and each rank's parts under each bound
+    (:meth:`parts`). Every bound's pass is its own: the same alone or next to others."""
 
-    def __init__(self, length: int, rank_tokens: torch.Tensor, cap: float, fill_density: float, mask: Mask,
+    def __init__(self, length: int, rank_tokens: torch.Tensor, cap: float, fills: torch.Tensor, mask: Mask,
                  bounds: torch.Tensor):
-        self.length, self.mask, self.cap, self.fill = length, mask, cap, fill_density
+        self.length, self.mask, self.cap, self.fill = length, mask, cap, fills
         lo, hi = torch.zeros_like(bounds), torch.full_like(bounds, length)
         done, stuck = (torch.zeros(bounds.numel(), dtype=torch.bool) for _ in range(2))
         columns = []  # per rank: head [start, end) and tail [start, end) under every bound
@@ -104,7 +118,8 @@ class _Greedy:
         """Work of a rank holding rows ``[lo, head_end)`` and ``[tail_start, hi)``, filled up to
         ``tokens`` by other documents at the fill density."""
         held = (head_end - lo) + (hi - tail_start)
-        return self._work(lo, head_end) + self._work(tail_start, hi) + self.fill * (tokens - held).double()
+        fill = self.fill if held.dim() == 1 else self.fill[:, None]  # per bound (rows of a grid of tails)
+        return self._work(lo, head_end) + self._work(tail_start, hi) + fill * (tokens - held).double()
 
     def _longest_tail(self, lo, hi, bounds, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per bound, the most last rows ``t`` a rank can hold with the head ``max(hi - K - t, 0)``
