@@ -262,11 +262,13 @@ def test_attention_packed_plans(monkeypatch, world_size, lengths, masks, without
 @pytest.mark.parametrize("world_size, lengths", [
     (3, [8, 2, 1, 2, 2, 0, 13, 1, 122, 8, 2, 1]),
     (4, [21, 8, 0, 21, 3, 298, 21, 8, 0, 21, 3, 1]),
+    (5, [1, 0, 1, 1, 21, 172, 21, 3, 13, 8, 142, 8]),
 ])
 def test_attention_nested_plans(monkeypatch, world_size, lengths):
     """Plans of the balanced planner that pin a big document's nested parts (each rank a head and
     a tail of what the ranks outside it left, the innermost the middle; doccp.plan.nested) and pack
-    the rest around them, at odd and even N, with zero-length and 1-token documents."""
+    the rest around them, at odd and even N, with zero-length and 1-token documents; the last pins
+    two such documents, each on ranks of its own."""
     import importlib
     balanced = importlib.import_module("doccp.plan.balanced")
     layout = DocLayout.from_lengths(lengths)

@@ -55,11 +55,12 @@ received instead of 56%); and again with such documents *hosted* by as few ranks
 needs, which get that much less of the whole documents (else every rank takes a sliver of a big
 document and the one holding its last sliver receives nearly all of it). Each reserve share is one
 more plan, solved with the first probes and scored against the search's best at its end (it
-never ends the search early: pinning passes may still find less KV). Where one document is too
-big to stay whole and the KV is still above the goal, its *nested* parts are tried last
-(:mod:`doccp.plan.nested`: each rank a head and a tail of what the ranks outside it left, the
-innermost the middle, sized so that no rank receives more than the least bound that fits), pinned,
-with the other documents shared out or packed around them (the same document: 49%). Where nothing
+never ends the search early: pinning passes may still find less KV). Where one document (or a
+few) is too big to stay whole and the KV is still above the goal, its *nested* parts are tried
+last (:mod:`doccp.plan.nested`: each rank a head and a tail of what the ranks outside it left, the
+innermost the middle, sized so that no rank receives more than the least bound that fits; a few
+such documents each on ranks of their own), pinned, with the other documents shared out or packed
+around them (the same document: 49%). Where nothing
 balances (a
 few documents of a few tokens per rank can defeat every cut), the plan is head_tail's, which
 balances each document on its own under a causal mask.
@@ -209,6 +210,9 @@ NESTED_CAP = 0.5
 #: with one such document, N 2-8: 15 with less KV, up to 0.043 of an all-gather; pretrain #4 over
 #: 4 ranks 0.148 -> 0.125).
 NESTED_FILLS = (1.0, 0.6, 0.3)
+#: Most documents too big to stay whole whose nested parts are pinned together, each on ranks of
+#: its own (the heaviest from rank 0, each next one after the last rank of the one before).
+NESTED_DOCS = 3
 
 
 class Chunking(NamedTuple):
@@ -383,10 +387,12 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
         result = solve(chunks, first_pins(chunks))
         if result is not None and (best_score is None or _better(result[1], best_score)):
             best, best_score = result[0], result[1]
-    # One document too big to stay whole, the KV above the goal: its nested parts, pinned.
+    # A few documents too big to stay whole, the KV above the goal: their nested parts, pinned.
     big = torch.nonzero(~whole & (lengths > 0)).flatten()
-    if big.numel() == 1 and n <= PACK_RANKS and (best_score is None or best_score[0] or best_score[1] > kv_goal):
-        result = _nested_plan(layout, n, mask, whole, doc_work, int(big[0]),
+    if 0 < big.numel() <= NESTED_DOCS and n <= PACK_RANKS and (
+            best_score is None or best_score[0] or best_score[1] > kv_goal):
+        heaviest = big[torch.argsort(doc_work[big], descending=True, stable=True)].tolist()
+        result = _nested_plan(layout, n, mask, whole, doc_work, heaviest,
                               at_once=ahead(len(NESTED_FILLS) * (1 + len(PACK_HOSTED_RESERVE)), 1), best=best_score)
         if result is not None and (best_score is None or _better(result[1], best_score)):
             best, best_score = result[0], result[1]
@@ -473,32 +479,32 @@ def _most_chunks(lengths: torch.Tensor, whole: torch.Tensor, rank_tokens: int) -
 
 
 def _nested_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, doc_work: torch.Tensor,
-                 doc: int, at_once: bool = True, best: tuple | None = None) -> tuple | None:
-    """The best plan that pins document ``doc``'s nested parts (:mod:`doccp.plan.nested`; sized
-    for a work cap between the mean and the tolerance, the other documents filling up at each of
-    :data:`NESTED_FILLS` of their mean work per token): the sequence shares out every other
-    document, or only a reserve of the lightest after the rest is packed whole around the parts
-    (:func:`_packings`); with its score and cut pieces, or None. ``at_once``: the plans solved in
-    one pass (else one at a time); ``best``: the score to beat (parts whose own KV shows that no
-    plan pinning them can are skipped)."""
-    lengths, total, length = layout.lengths, float(doc_work.sum()), int(layout.lengths[doc])
-    fill = (total - float(doc_work[doc])) / max(layout.num_tokens - length, 1)
+                 docs: list[int], at_once: bool = True, best: tuple | None = None) -> tuple | None:
+    """The best plan that pins the nested parts of documents ``docs`` (:mod:`doccp.plan.nested`;
+    each on ranks of its own, see :func:`_nested_layouts`; sized for a work cap between the mean
+    and the tolerance, the other documents filling up at each of :data:`NESTED_FILLS` of their
+    mean work per token): the sequence shares out every other document, or only a reserve of the
+    lightest after the rest is packed whole around the parts (:func:`_packings`); with its score
+    and cut pieces, or None. ``at_once``: the plans solved in one pass (else one at a time);
+    ``best``: the score to beat (parts whose own KV shows that no plan pinning them can are
+    skipped)."""
+    lengths, total = layout.lengths, float(doc_work.sum())
+    index = torch.tensor(docs, dtype=torch.int64)
+    fill = (total - float(doc_work[index].sum())) / max(layout.num_tokens - int(lengths[index].sum()), 1)
     cap = (1 + (TOLERANCE - 1) * NESTED_CAP) * total / n
+    # Parts whose own KV (a holder's keys of its document it lacks: KV every plan pinning them has)
+    # is above this cannot win (_better).
+    limit = None if best is None or best[0] else best[1] * (1 + KV_SLACK) if best[2] else best[1]
     configs, parts_of, sized = [], [], set()
-    for parts in nested_parts(doc, length, even_sizes(layout.num_tokens, n), cap, [fill * f for f in NESTED_FILLS],
-                              mask):
+    for parts in _nested_layouts(docs, lengths, even_sizes(layout.num_tokens, n), cap,
+                                 [fill * f for f in NESTED_FILLS], mask, limit):
         key = None if parts is None else parts.start.numpy().tobytes() + parts.rank.numpy().tobytes()
         if key is None or key in sized:  # (a lighter fill may size the same parts)
             continue
         sized.add(key)
-        work = mask.row_work(parts.start, parts.end, length).double()
+        work = mask.row_work(parts.start, parts.end, lengths.index_select(0, parts.doc)).double()
         taken = (torch.zeros(n, dtype=torch.int64).index_add_(0, parts.rank, parts.length),
                  torch.zeros(n, dtype=torch.float64).index_add_(0, parts.rank, work))
-        if best is not None and not best[0]:  # a holder's keys of the document it lacks: KV every such plan has
-            top = torch.zeros(n, dtype=torch.int64).scatter_reduce_(0, parts.rank, parts.end, "amax")
-            least = int((top - taken[0]).max())
-            if least > best[1] * (1 + KV_SLACK) or (least > best[1] and best[2] == 0):  # cannot win (_better)
-                continue
         packed = _packings(lengths, doc_work, n, whole, PACK_HOSTED_RESERVE, taken=taken)
         configs += [(Chunking(0), p) for p in (torch.full_like(lengths, -1), *packed.values())]
         parts_of += [parts] * (1 + len(packed))
@@ -512,6 +518,41 @@ def _nested_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, doc
         if best is None or _better(score, best[1]):
             best = (plan, score, cut)
     return best
+
+
+def _nested_layouts(docs: list[int], lengths: torch.Tensor, rank_tokens: torch.Tensor, cap: float,
+                    fills: list[float], mask: Mask, limit: float | None = None) -> list[Pieces | None]:
+    """Per fill density, the nested parts of every document of ``docs`` on ranks of its own: the
+    first from rank 0, each next one from the rank after the last one the one before it uses; None
+    where a document does not fit the ranks left, or where a holder of its parts would receive
+    more than ``limit`` of it (then no plan pinning them can win). The densities whose next
+    document starts on the same rank are sized in one pass (all of them for the first document)."""
+    pieces: list[list[Pieces]] = [[] for _ in fills]
+    first: list[int | None] = [0] * len(fills)  # per density, the rank the next document starts on
+    for doc in docs:
+        starts: dict[int, list[int]] = {}
+        for i, r in enumerate(first):
+            if r is not None and r < rank_tokens.numel():
+                starts.setdefault(r, []).append(i)
+            else:
+                first[i] = None
+        for r, densities in starts.items():
+            sized = nested_parts(doc, int(lengths[doc]), rank_tokens[r:], cap, [fills[i] for i in densities], mask)
+            for i, parts in zip(densities, sized, strict=True):
+                if parts is None or (limit is not None and _least_kv(parts) > limit):
+                    first[i] = None
+                else:
+                    pieces[i].append(Pieces(parts.rank + r, parts.doc, parts.start, parts.end))
+                    first[i] = r + int(parts.rank.max()) + 1
+    return [None if r is None else Pieces.cat(p) for p, r in zip(pieces, first, strict=True)]
+
+
+def _least_kv(parts: Pieces) -> int:
+    """The most keys of its document a holder of one document's ``parts`` lacks below its highest
+    row (under a prefix mask it receives them in every plan that pins these parts)."""
+    ranks = int(parts.rank.max()) + 1
+    top = torch.zeros(ranks, dtype=torch.int64).scatter_reduce_(0, parts.rank, parts.end, "amax")
+    return int((top - torch.zeros(ranks, dtype=torch.int64).index_add_(0, parts.rank, parts.length)).max())
 
 
 def _pins_again(round_: int, score: tuple[bool, int, int, float], cut: torch.Tensor) -> bool:
