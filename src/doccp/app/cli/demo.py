@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import doccp
 from doccp import launch
@@ -219,7 +218,7 @@ class _Ticks:
     """Progress from spawned rank 0 to this process (picklable at spawn time)."""
 
     def __init__(self) -> None:
-        self.queue = mp.get_context("spawn").Queue()
+        self.queue = launch.context().Queue()
 
     def __call__(self) -> None:
         self.queue.put(1)
