@@ -16,20 +16,26 @@ from __future__ import annotations
 import torch
 
 
+def starts(counts: torch.Tensor) -> torch.Tensor:
+    """Where each run starts when runs of ``counts`` lie back to back (exclusive cumsum), in one
+    buffer (``cumsum(counts) - counts`` writes a second one)."""
+    return torch.cumsum(counts, 0).sub_(counts)
+
+
 def repeat(values: torch.Tensor, counts: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """``values[i]`` repeated ``counts[i]`` times (``torch.repeat_interleave``, serial): the first
     element of each run carries the step from the previous value and one cumsum fills the runs."""
     total = int(counts.sum()) if total is None else total
     steps = torch.zeros(total + 1, dtype=torch.int64)
-    steps.index_add_(0, torch.cumsum(counts, 0) - counts, _steps(values, 0))
-    return torch.cumsum(steps[:total], 0)
+    steps.index_add_(0, starts(counts), _steps(values, 0))
+    return steps[:total].cumsum_(0)
 
 
 def expand(first: torch.Tensor, counts: torch.Tensor, step: torch.Tensor | None = None) -> torch.Tensor:
     """``cat([first[i] + step[i] * arange(counts[i]) for i])``; ``step`` defaults to 1, where one
     cumsum over one buffer does it (steps of 1, and a jump where a run starts)."""
     total = int(counts.sum())
-    offsets = torch.cumsum(counts, 0) - counts
+    offsets = starts(counts)
     if step is None:
         jumps = _steps(first - offsets, 1)
         steps = torch.ones(total + 1, dtype=torch.int64).index_add_(0, offsets, jumps)
@@ -69,7 +75,7 @@ def offsets_within(group: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.int64)
     order = stable_order(group)
     g, n = take(group, order), take(length, order)
-    before = torch.cumsum(n, 0) - n
+    before = starts(n)
     first = torch.ones_like(g, dtype=torch.bool)
     first[1:] = g[1:] != g[:-1]
     start = torch.cummax(torch.where(first, torch.arange(g.numel()), 0), 0).values

@@ -24,7 +24,7 @@ from doccp.kernels.runs import Runs
 from doccp.kernels.slices import Slices
 from doccp.plan import Plan
 from doccp.plan.exchange import document_overlaps, overlaps
-from doccp.ranges import expand, offsets_within, take
+from doccp.ranges import expand, offsets_within, starts, take
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class AllGather(Algorithm):
         src, length = take(plan.stream_pieces.rank, j), g1 - g0
         recv_sizes = torch.zeros(n, dtype=torch.int64).index_add_(0, src, length)
         recv_sizes[me] = 0
-        peer_base = int(geo.local.length.sum()) + torch.cumsum(recv_sizes, 0) - recv_sizes
+        peer_base = int(geo.local.length.sum()) + starts(recv_sizes)
         row = take(peer_base, src).add_(offsets_within(src, length))  # my own parts are local rows:
         own = torch.nonzero(src == me).squeeze(1)
         own_g0 = take(g0, own)

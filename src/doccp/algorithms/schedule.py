@@ -22,7 +22,7 @@ from doccp.kernels.runs import Runs
 from doccp.plan import Plan
 from doccp.plan.exchange import visible_intervals
 from doccp.plan.pieces import Pieces
-from doccp.ranges import expand, take
+from doccp.ranges import expand, starts, take
 
 
 def local_runs(plan: Plan, rank: int) -> Runs:
@@ -40,7 +40,7 @@ class Geometry:
         self.local = p = plan.rank_pieces(me)
         self.local_base = take(plan.layout.cu_seqlens, p.doc)  # stream offset of each piece's document
         self.local_g0, self.local_g1 = self.local_base + p.start, self.local_base + p.end
-        self.local_row = torch.cumsum(p.length, 0) - p.length
+        self.local_row = starts(p.length)
         self.runs = Runs.laid_out(p.doc, p.start, p.length, rank=me)
 
     @cached_property

@@ -41,7 +41,7 @@ from doccp.algorithms.registry import Algorithm, Call, Shapes, register, schedul
 from doccp.algorithms.work import take_rows
 from doccp.plan import Plan
 from doccp.plan.pieces import Pieces
-from doccp.ranges import expand
+from doccp.ranges import expand, starts
 
 #: The all-gather that runs across Ulysses groups (on the span plan; nothing moves for Ulysses).
 ACROSS = AllGather()
@@ -127,7 +127,7 @@ class Ulysses(Algorithm):
         p = p.select((p.rank // size) == group)
         cu = plan.layout.cu_seqlens
         s = span.rank_pieces(group)
-        s_g0, s_row = cu[s.doc] + s.start, torch.cumsum(s.length, 0) - s.length
+        s_g0, s_row = cu[s.doc] + s.start, starts(s.length)
         g0 = cu[p.doc] + p.start
         piece = torch.searchsorted(s_g0, g0, right=True) - 1
         from_span = expand(s_row[piece] + (g0 - s_g0[piece]), p.length)

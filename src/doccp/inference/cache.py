@@ -32,7 +32,7 @@ from doccp.agreement import tensor_hash
 from doccp.kernels.runs import Runs
 from doccp.masks import Mask
 from doccp.plan import Plan
-from doccp.ranges import expand, offsets_within
+from doccp.ranges import expand, offsets_within, starts
 
 #: Smallest region a sequence gets (rows), so early decode steps do not move regions.
 MIN_REGION = 16
@@ -259,7 +259,7 @@ class ShardedKVCache:
             cap = torch.where(used > 0, torch.maximum(cap, _grown(want)), cap)
             total = int(cap.sum())
             size = self.capacity if total <= self.capacity * 3 // 4 else total + total // 4
-            start = torch.cumsum(cap, 0) - cap
+            start = starts(cap)
             k, v = (x.new_empty(size, *x.shape[1:]) for x in (self.k, self.v))
             self._move(torch.arange(self.num_seqs), start, k, v)
             self.k, self.v, self._top = k, v, total

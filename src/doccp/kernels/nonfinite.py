@@ -18,7 +18,7 @@ import torch
 
 from doccp.kernels.slices import Slices
 from doccp.masks import BandMask
-from doccp.ranges import repeat
+from doccp.ranges import repeat, starts
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:
@@ -38,7 +38,7 @@ def poison(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     seen_bad = torch.cat([bad_kv.new_zeros(1, hkv, dtype=torch.int64), bad_kv.long().cumsum(0)])
     heights = (slices.q_end - slices.q_start).clamp(min=0)
     which = repeat(torch.arange(len(slices)), heights)
-    within = torch.arange(which.numel()) - (torch.cumsum(heights, 0) - heights)[which]
+    within = torch.arange(which.numel()) - starts(heights)[which]
     row = slices.q_start[which] + within
     # keys of the slice that row `within` sees: document positions [pos - left, pos + right]
     offset = slices.q_pos0[which] + within - slices.k_pos0[which] + slices.k_start[which]

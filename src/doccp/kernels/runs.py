@@ -25,7 +25,7 @@ import torch
 
 from doccp.kernels.slices import Slices, pair_slices
 from doccp.masks import UNBOUNDED, Mask
-from doccp.ranges import expand, index_of, repeat, take
+from doccp.ranges import expand, index_of, repeat, starts, take
 
 #: An empty hull is ``(BIG, -BIG)``: beyond any position plus any mask bound (``UNBOUNDED``).
 BIG = 4 * UNBOUNDED
@@ -59,7 +59,7 @@ class Runs:
                  rank: int = 0) -> Runs:
         """Stride-1 runs of ``(doc, pos, length)`` laid out back to back from buffer row ``row0``."""
         one = torch.ones_like(doc)
-        return cls(one * rank, doc, row0 + torch.cumsum(length, 0) - length, pos, length, one)
+        return cls(one * rank, doc, row0 + starts(length), pos, length, one)
 
     @classmethod
     def empty(cls) -> Runs:
@@ -95,7 +95,7 @@ class Runs:
 
     def packed(self, row0: int = 0) -> Runs:
         """The same runs laid out back to back from buffer row ``row0`` (how blocks travel)."""
-        return Runs(self.rank, self.doc, row0 + torch.cumsum(self.length, 0) - self.length, self.pos, self.length,
+        return Runs(self.rank, self.doc, row0 + starts(self.length), self.pos, self.length,
                     self.stride)
 
     def rows(self) -> torch.Tensor:

@@ -24,7 +24,7 @@ from doccp.plan.balanced import balanced
 from doccp.plan.exchange import Intervals, kv_exchange, visible_intervals
 from doccp.plan.head_tail import head_tail
 from doccp.plan.pieces import Pieces, cut_stream, even_sizes
-from doccp.ranges import any_true, expand, repeat, stable_order, take
+from doccp.ranges import any_true, expand, repeat, stable_order, starts, take
 
 __all__ = ["Plan", "PlanStats", "plan", "STRATEGIES", "Pieces", "Intervals"]
 
@@ -193,10 +193,10 @@ class Plan:
         # entry e of piece p is flat entry k * p + e; in rank order the pieces' entries stay together
         flat_order = (order[:, None] * k + torch.arange(k)).reshape(-1) if k > 1 else order
         in_order = sizes.reshape(-1).index_select(0, flat_order)
-        before = torch.cumsum(in_order, 0) - in_order
+        before = starts(in_order)
         totals = torch.zeros(self.world_size, dtype=torch.int64).index_add_(
             0, rank, sizes.reshape(-1, k).sum(1) if k > 1 else sizes.reshape(-1))
-        first = (torch.cumsum(totals, 0) - totals).index_select(0, rank)  # per piece, stream order
+        first = starts(totals).index_select(0, rank)  # per piece, stream order
         offsets = torch.empty_like(before).scatter_(0, flat_order, before)
         if k == 1:  # (a 2-D broadcast subtraction costs 3x a flat one)
             return offsets.sub_(first).view(sizes.shape)
@@ -236,7 +236,7 @@ class Plan:
         """Pieces of ``rank`` with ``start`` replaced by the local row of the piece's first token
         (as ``Pieces(rank, doc, row, doc_start)``)."""
         p = self.rank_pieces(rank)
-        rows = torch.cumsum(p.length, 0) - p.length
+        rows = starts(p.length)
         return Pieces(p.rank, p.doc, rows, p.start)
 
     @cached_property

@@ -18,7 +18,7 @@ import torch
 from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan.pieces import Pieces
-from doccp.ranges import expand, index_of, repeat, stable_order, take
+from doccp.ranges import expand, index_of, repeat, stable_order, starts, take
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def overlaps(lo: torch.Tensor, hi: torch.Tensor, table_lo: torch.Tensor, table_h
     j = expand(first, count)
     start, end = take(table_lo, j), take(table_hi, j)
     runs = torch.nonzero(count).squeeze(1)
-    head = take(torch.cumsum(count, 0) - count, runs)  # each run's first row
+    head = take(starts(count), runs)  # each run's first row
     tail = head + take(count, runs) - 1
     start.scatter_(0, head, torch.maximum(take(start, head), take(lo, runs)))
     end.scatter_(0, tail, torch.minimum(take(end, tail), take(hi, runs)))
@@ -104,7 +104,7 @@ def document_overlaps(doc: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, tab
     in no useful order, e.g. every other rank's visible keys, make searches the cost). Queries in
     ``skip`` get no rows (cheaper than cutting them out of the columns)."""
     count_of = torch.bincount(table.doc, minlength=num_docs)
-    first_of = torch.cumsum(count_of, 0) - count_of
+    first_of = starts(count_of)
     count = take(count_of, doc)
     if skip is not None:
         count[skip] = 0

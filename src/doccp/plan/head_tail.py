@@ -27,7 +27,7 @@ import torch
 from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan.pieces import Pieces
-from doccp.ranges import expand, repeat, take
+from doccp.ranges import expand, repeat, starts, take
 
 
 def head_tail(layout: DocLayout, world_size: int, mask: Mask | None = None) -> Pieces:
@@ -35,7 +35,7 @@ def head_tail(layout: DocLayout, world_size: int, mask: Mask | None = None) -> P
     if lengths.numel() == 0 or layout.num_tokens == 0:
         return Pieces.empty()
     base, rem = lengths // (2 * n), lengths % (2 * n)
-    cursor = (torch.cumsum(rem, 0) - rem) % n
+    cursor = starts(rem) % n
     # Non-empty chunks of each document, ascending: all 2N when base > 0; else the head chunks
     # of the ranks in the cyclic window [cursor, cursor + min(L, N)) and the tail chunks of the
     # window [cursor, cursor + L - N), each window as (wrapped part, unwrapped part).
@@ -64,6 +64,6 @@ def head_tail(layout: DocLayout, world_size: int, mask: Mask | None = None) -> P
     size = take(base, doc) + (order < take(rem, doc))
     middle = base + (((n - 1 - cursor) % n + n) < rem)  # chunk N's size (its order: rank N - 1's + N)
     has = torch.nonzero(middle).squeeze(1)
-    size.index_add_(0, take(torch.cumsum(pieces, 0) - pieces, has) + (n - 1), take(middle, has))
+    size.index_add_(0, take(starts(pieces), has) + (n - 1), take(middle, has))
     end = torch.cumsum(size, 0) - take(layout.cu_seqlens, doc)  # the pieces tile the stream
     return Pieces(rank, doc, end - size, end)
