@@ -549,6 +549,31 @@ def test_lower_bound_counts_the_cheapest_fill():
     assert _best_max_kv(lengths, 2, Mask.causal(), 1.01) == 2
 
 
+def test_third_figure_holds_only_rows_the_document_has():
+    """The holder of a document's last ``s`` rows can hold at most ``L - s`` more of it. The third
+    figure used to let it count up to ``K`` more rows below them even where none are left (the
+    whole document held), and so need that much less fill: here 5, now 6 (the balanced planner's
+    plan receives 11). The bound still holds for every balanced plan of every strategy on layouts
+    of one long document among short ones, where this matters most."""
+    from doccp.plan.bound import _Figures, kv_lower_bound
+    layout = DocLayout.from_lengths([21, 12, 11, 6, 7, 3, 3, 10, 4])
+    assert _Figures(layout, 2, Mask.causal(), 1.01).largest() == 3
+    assert kv_lower_bound(layout, 2, Mask.causal()) == 6
+    rng = random.Random("phantom rows")
+    checked = 0
+    for _ in range(30):
+        n = rng.choice([2, 2, 3])
+        lengths = [rng.randint(20, 80)] + [rng.randint(1, 12) for _ in range(rng.randint(3, 20))]
+        layout = DocLayout.from_lengths(lengths)
+        bound = kv_lower_bound(layout, n, Mask.causal())
+        for strategy in STRATEGIES:
+            s = plan(layout, n, Mask.causal(), strategy).stats()
+            if s.imbalance <= 1.01:
+                assert max(s.kv_recv) >= bound, (lengths, n, strategy)
+                checked += 1
+    assert checked >= 30
+
+
 @pytest.mark.parametrize("mask", [Mask.causal(), Mask.full()], ids=str)
 def test_third_figure_is_monotone_in_the_keys_allowed(mask):
     """The bound bisects the third figure over K, which is exact only if allowing more keys never

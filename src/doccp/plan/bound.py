@@ -27,14 +27,16 @@ cheapest ``F - m`` other rows of the layout (its own earlier ones included)::
 
 A third figure holds for the same masks, and turns the question around: could a plan exist
 in which no rank receives more than ``K`` keys? If A holds the last ``s`` rows of a document of
-``L`` tokens and ``j`` more below them, the holder of the highest row A lacks receives those
-``j``, so ``j <= K``, and A itself receives ``L - s - j <= K``. Likewise every row A holds of
-another document below that document's highest row A lacks is received by some other rank: A
-holds at most ``(N - 1) K`` such *single* rows in all, and every other row it holds (a document
-whole, or its last rows) costs at least its document's mean. So A's work is at least the last
-``s`` rows, plus the first ``j`` rows, plus the cheapest ``F - s - j`` fill rows under that
-budget (the mix of single rows and mean rows is convex, so a bisection finds it); if no ``s``
-fits the cap, no such plan exists. The least ``K`` every document allows is a bound (allowing
+``L`` tokens and ``j`` more below them (of the ``L - s`` there are), the holder of the highest
+row A lacks receives those ``j``, so ``j <= K``, and A itself receives ``L - s - j <= K``.
+Likewise every row A holds of another document below that document's highest row A lacks is
+received by some other rank: A holds at most ``(N - 1) K`` such *single* rows in all, and every
+other row it holds (a document whole, or its last rows) costs at least its document's mean. So
+A's work is at least the last ``s`` rows, plus the first ``j`` rows, plus the cheapest
+``F - s - j`` fill rows under that budget (the mix of single rows and mean rows is convex, so a
+bisection finds it); if no ``s`` and ``j`` fit the cap, no such plan exists (a range of ``j`` is
+charged its least first rows and the fill of its largest ``j``, a lower bound for each, and cut
+into parts only where that fits). The least ``K`` every document allows is a bound (allowing
 more keys never hurts, so it is found by bisection)::
 
     causal, 2 ranks, 4, 3, 2 and 1 tokens (F = 5, cap 10.1): with K = 1 the 4-token document's
@@ -62,6 +64,11 @@ from doccp.masks import Mask
 
 #: The work cap a balanced plan allows (max/mean).
 TOLERANCE = 1.01
+#: Parts the third figure cuts a range of ``j`` into where the range as a whole fits the cap
+#: (:meth:`_Figures._fits_within`): each round rules out the parts that do not fit.
+J_PARTS = 4
+#: Most ranges :meth:`_Figures._fits_within` keeps refining at once.
+MAX_RANGES = 1 << 20
 
 
 class _Pool:
@@ -174,6 +181,31 @@ class _Figures:
                                               self.cap_work))
         return bound
 
+    def _fits_within(self, lo: torch.Tensor, hi: torch.Tensor, s: torch.Tensor, last: torch.Tensor,
+                     first: torch.Tensor, rest: torch.Tensor, budget: int, single: _Pool, means: _Pool,
+                     exact: bool) -> bool:
+        """Whether, for some ``s``, holding the last ``s`` rows and ``j`` in ``[lo, hi]`` first rows
+        of a document plus the fill fits the cap. A range ``[a, b]`` of ``j`` is charged its least
+        first rows, ``first[a]``, and its least fill, that of ``j = b``: a lower bound for every
+        ``j`` in it, so a range that does not fit is ruled out, and one that does is cut into
+        :data:`J_PARTS` parts and tried again, down to single ``j`` (each evaluated exactly)."""
+        row = torch.arange(s.numel())
+        a, b = lo, hi
+        while True:
+            keep = (a <= b) & (s[row] + a <= self.cap_tokens)
+            row, a, b = row[keep], a[keep], b[keep]
+            fill = _mixed(single, means, (rest[row] - b).clamp(min=0), budget - a, exact)
+            fits = last[row] + first[a] + fill <= self.cap_work
+            if not bool(fits.any()):
+                return False
+            if bool((fits & (a == b)).any()) or int(fits.sum()) * J_PARTS > MAX_RANGES:
+                return True  # (too many ranges left to try: claiming a fit never overstates the bound)
+            row, a, b = row[fits], a[fits], b[fits]
+            # each range that fits, in J_PARTS parts (a range of one j stays as it is)
+            edges = a[:, None] + (torch.arange(J_PARTS + 1) * (b - a + 1)[:, None]) // J_PARTS
+            row = row[:, None].expand(-1, J_PARTS).reshape(-1)
+            a, b = edges[:, :-1].reshape(-1), edges[:, 1:].reshape(-1) - 1
+
     def allow(self, keys: int) -> bool:
         """Whether every document's last row fits some rank in a plan where no rank receives more
         than ``keys`` keys (third figure); ``False`` proves that every balanced plan receives more.
@@ -198,15 +230,15 @@ class _Figures:
             rows[index] -= length
             means = _Pool(self.mean, rows[self.by_mean])
             rest = self.floor_tokens - s
-            # j = below exactly, or any j in [below + 1, keys] (charged its least first rows and
-            # the fill of j = keys); the extreme mixes first, most documents fit with one of them
+            # j = below exactly, or any j in [below + 1, min(keys, length - s)]: only the length - s
+            # rows under the last s exist to be held. The extreme mixes first, most documents fit
+            # with one of them
+            lo, hi = below + 1, (length - s).clamp(max=keys)
             for exact in (False, True):
                 least = first[below] + _mixed(single, means, (rest - below).clamp(min=0), budget - below, exact)
-                more = first[(below + 1).clamp(max=length)] + _mixed(
-                    single, means, (rest - keys).clamp(min=0), budget - below - 1, exact)
-                fits = (last + least <= self.cap_work) & (s + below <= self.cap_tokens)
-                fits |= (last + more <= self.cap_work) & (s + below + 1 <= self.cap_tokens) & (below < keys)
-                if bool(fits.any()):
+                if bool(((last + least <= self.cap_work) & (s + below <= self.cap_tokens)).any()):
+                    break
+                if self._fits_within(lo, hi, s, last, first, rest, budget, single, means, exact):
                     break
             else:
                 return False
