@@ -234,7 +234,7 @@ def test_attention_bisection_plans(world_size, lengths, masks, late):
     (3, [1, 20, 20, 3, 12, 3, 20, 31, 7, 31, 0, 31, 1, 12], [Mask.causal(), Mask.sliding_window(5)],
      ("PACK_RANKS", 0)),
     (2, [6, 1, 8, 1, 2, 2, 0, 47, 1], [Mask.causal()], ("PACK_HEAD_RESERVE", ())),
-    (3, [42, 1, 1, 1, 5, 2, 0], [Mask.causal()], ("PACK_HEAD_RESERVE", ())),
+    (3, [12, 2, 0, 1, 36, 1, 7], [Mask.causal()], ("PACK_HEAD_RESERVE", ())),
     (3, [2, 1, 12, 1, 5, 5, 7, 1, 3, 1, 0], [Mask.causal()], ("PACK_HOSTED_RESERVE", ())),
     (4, [5, 1, 3, 3, 7, 0, 1, 0, 12], [Mask.causal()], ("PACK_HOSTED_RESERVE", ())),
 ], ids=["packing-2", "packing-3", "head-back-packing-2", "head-back-packing-3", "hosted-packing-3",

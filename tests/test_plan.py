@@ -588,16 +588,16 @@ def test_third_figure_is_monotone_in_the_keys_allowed(mask):
         assert allowed == sorted(allowed), (lengths, n)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(st.lists(st.integers(0, 400), min_size=1, max_size=40), st.integers(2, 6), st.sampled_from([0.1, 0.35, 0.5]),
-       st.integers(0, 3), st.sampled_from([None, 0.5, 1.0]))
-def test_packing_pins_what_fits_and_holds_back_the_lightest_documents(lengths, n, reserve, hosts, taken):
+       st.integers(0, 3), st.sampled_from([None, 0.5, 1.0]), st.booleans())
+def test_packing_pins_what_fits_and_holds_back_the_lightest_documents(lengths, n, reserve, hosts, taken, matched):
     """The packing pins only documents that can stay whole, outside the reserve (the lightest
     documents holding at most ``reserve`` of the tokens), and never beyond a rank's share of the
     tokens or of the work, less, on the first ``hosts`` ranks, an equal part of the documents too big
     to stay whole, and less what parts pinned already hold (``taken``: that share of rank 0's tokens
-    and work): the sequence is left a feasible rest to share out. One pass serves every reserve:
-    each share's pins are those it gets alone."""
+    and work): the sequence is left a feasible rest to share out, matched to the reserve's density
+    or not. Passes are shared between reserves: each share's pins are those it gets alone."""
     from doccp.plan.pieces import even_sizes
     layout = DocLayout.from_lengths(lengths)
     if layout.num_tokens == 0:
@@ -609,9 +609,9 @@ def test_packing_pins_what_fits_and_holds_back_the_lightest_documents(lengths, n
     held_tokens = first * int(even_sizes(layout.num_tokens, n)[0] * (taken or 0))
     held_work = first * (float(doc_work.sum()) / n * (taken or 0))
     held_parts = (held_tokens, held_work.double()) if taken is not None else None
-    pinned = balanced._packings(layout.lengths, doc_work, n, whole, (reserve,), hosts, held_parts)[reserve]
-    assert bool((balanced._packings(layout.lengths, doc_work, n, whole, (0.1, 0.35, 0.5), hosts, held_parts)[reserve]
-                 == pinned).all())
+    pinned = balanced._packings(layout.lengths, doc_work, n, whole, (reserve,), hosts, held_parts, matched)[reserve]
+    assert bool((balanced._packings(layout.lengths, doc_work, n, whole, (0.1, 0.35, 0.5), hosts, held_parts,
+                                    matched)[reserve] == pinned).all())
     held = pinned >= 0
     assert bool((whole | ~held).all())
     tokens = torch.zeros(n, dtype=torch.int64).index_add_(0, pinned[held], layout.lengths[held])
@@ -683,6 +683,39 @@ def test_plans_scored_in_one_pass_get_their_own_scores(monkeypatch):
             together = balanced._scores([p.stream_pieces for p in plans], layout, n, mask, whole)
             assert [s for s, _ in together] == [s for s, _ in alone]
             assert all(torch.equal(a, b) for (_, a), (_, b) in zip(together, alone, strict=True))
+
+
+def test_matched_packing_leaves_every_rank_the_reserves_density(monkeypatch):
+    """Packed most-work-first, some ranks are left many tokens to fill with little work and others
+    the reverse (sft, 4 ranks, layout 3: 48 to 10,891 work per token needed of a reserve of 98),
+    which no share of one reserve fills. Matched, each rank is left needing about the reserve's own
+    work per token, and the sequence then cuts almost nothing (KV 0.0068 -> under 0.001 of an
+    all-gather)."""
+    from doccp.plan.pieces import even_sizes
+
+    def needed(layout: DocLayout, matched: bool) -> tuple[float, float]:
+        """Max/min over ranks of the work per token left to fill, and its ratio to the reserve's."""
+        lengths, n = layout.lengths, 4
+        doc_work = Mask.causal().row_work(0, lengths, lengths)
+        whole = _whole(layout, n, Mask.causal())
+        pins = balanced._packings(lengths, doc_work, n, whole, (0.1,), matched=matched)[0.1]
+        held = pins >= 0
+        tokens = even_sizes(layout.num_tokens, n) - torch.zeros(n, dtype=torch.int64).index_add_(
+            0, pins[held], lengths[held])
+        work = float(doc_work.sum()) / n - torch.zeros(n, dtype=torch.float64).index_add_(
+            0, pins[held], doc_work[held].double())
+        density = work / tokens
+        reserve = float(doc_work[~held].sum()) / float(lengths[~held].sum())
+        return float(density.max() / density.min()), float(density.max()) / reserve
+
+    for index in range(8):
+        layout = DocLayout.from_lengths(workloads.layout("sft", 131072, index))
+        (spread, worst), (matched_spread, matched_worst) = needed(layout, False), needed(layout, True)
+        assert matched_spread < spread and matched_spread <= 3.0 and matched_worst <= min(worst, 3.0), index
+    layout = DocLayout.from_lengths(workloads.layout("sft", 131072, 3))
+    assert plan(layout, 4).stats().max_kv_fraction <= 0.001
+    monkeypatch.setattr(balanced, "MATCH_RANKS", 0)
+    assert plan(layout, 4).stats().max_kv_fraction == pytest.approx(0.0068, abs=0.0005)
 
 
 def test_packing_pins_at_most_pack_docs(monkeypatch):
@@ -1154,7 +1187,7 @@ def test_nested_parts_sized_for_lighter_fills():
 def test_nested_parts_of_several_documents_on_ranks_of_their_own():
     """Pareto mix, 32k tokens over 4 ranks: two documents too big to stay whole. Their nested parts
     pinned together, the heavier one's from rank 0 and the other's from the rank after its last:
-    the plan receives 0.061 of an all-gather instead of 0.109, still balanced."""
+    the plan receives 0.061 of an all-gather instead of 0.108, still balanced."""
     layout = DocLayout.from_lengths(workloads.layout("pareto", 32768, 0))
     whole, work = _whole(layout, 4, Mask.causal()), Mask.causal().row_work(0, layout.lengths, layout.lengths)
     big = torch.nonzero(~whole & (layout.lengths > 0)).flatten()
@@ -1168,4 +1201,4 @@ def test_nested_parts_of_several_documents_on_ranks_of_their_own():
     assert min(ranks[1]) > max(ranks[0]), ranks  # each on ranks of its own, the heavier first
     with pytest.MonkeyPatch.context() as m:
         m.setattr(balanced, "NESTED_DOCS", 1)
-        assert plan(layout, 4).stats().max_kv_fraction == pytest.approx(0.1092, abs=0.0005)
+        assert plan(layout, 4).stats().max_kv_fraction == pytest.approx(0.1084, abs=0.0005)

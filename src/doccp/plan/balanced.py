@@ -44,8 +44,10 @@ position sets its work, so no big document is cut (with two ranks, that is the b
 
 With few ranks (at most :data:`PACK_RANKS`) a rank's share holds many documents, and whole ones
 can balance it by themselves. A *packing* (:func:`_packings`) pins documents whole to ranks first,
-heaviest first, each to the rank with the most work left to fill among those it fits, and holds
-back a reserve of the lightest documents (a share of the tokens) for the sequence to share out:
+heaviest first, each to the rank with the most work left to fill among those it fits (with up to
+:data:`MATCH_RANKS` ranks, the most beyond what its tokens left hold at the reserve's work per
+token, so that every rank is left what the reserve can fill), and holds back a reserve of the
+lightest documents (a share of the tokens) for the sequence to share out:
 it then cuts only short documents, for a few tokens of KV where the sequence alone cuts long
 ones (pretrain mix, 2 ranks: 0.2% of an all-gather instead of 12%). Where a document is too big
 to stay whole, packings are also tried with its head at the back of the sequence: every rank then
@@ -199,6 +201,12 @@ PACK_HEAD_RESERVE = (0.1, 0.35)
 #: takes a sliver of a big one and receives most of its prefix (135 layouts of 4 mixes with such
 #: documents, N 2-8: 28 with less KV, up to 32%: pretrain #4 over 3 ranks 0.167 -> 0.113).
 PACK_HOSTED_RESERVE = (0.1, 0.35)
+#: Most ranks whose packings are *matched* to the reserve's work per token (see :func:`_packings`).
+#: On 64 layouts of 4 mixes at N 2-4: less KV on 31, sft over 4 ranks worst 0.0068 -> 0.0004 of an
+#: all-gather and mean 0.0011 -> 0.0002; 10 got a few tokens more (at most 13) and one 2% more
+#: (pretrain #6 over 2 ranks, whose plan now cuts fewer short documents, within :data:`KV_SLACK`).
+#: At 8 ranks it traded means between mixes (sft 0.0151 -> 0.0143, pareto 0.1749 -> 0.1757).
+MATCH_RANKS = 4
 #: Range of the sort key plans scored in one pass share (:func:`_scores`; below int64's).
 SCORE_KEY_LIMIT = 1 << 62
 #: Share of the work tolerance the nested parts of a document may take (the rest is room for the
@@ -312,11 +320,12 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
             solve_ahead([(c, pinned[c]) for c in chains])
             result = {c: solved[c, pinned[c].numpy().tobytes()] for c in chains}
 
-    packed_pins = {(r, False): pins for r, pins in _packings(lengths, doc_work, n, whole, PACK_RESERVE).items()
-                   } if packings else {}
+    matched = n <= MATCH_RANKS
+    packed_pins = {(r, False): pins for r, pins in
+                   _packings(lengths, doc_work, n, whole, PACK_RESERVE, matched=matched).items()} if packings else {}
     if hosts < n:
         packed_pins.update(((r, True), pins) for r, pins in
-                           _packings(lengths, doc_work, n, whole, PACK_HOSTED_RESERVE, hosts).items())
+                           _packings(lengths, doc_work, n, whole, PACK_HOSTED_RESERVE, hosts, matched=matched).items())
 
     def first_pins(chunks: Chunking) -> torch.Tensor:
         if not chunks.reserve:
@@ -425,8 +434,8 @@ def _hosts(doc_work: torch.Tensor, whole: torch.Tensor, n: int) -> int:
 
 
 def _packings(lengths: torch.Tensor, doc_work: torch.Tensor, n: int, whole: torch.Tensor,
-              reserves: tuple[float, ...], hosts: int = 0, taken: tuple[torch.Tensor, torch.Tensor] | None = None
-              ) -> dict[float, torch.Tensor]:
+              reserves: tuple[float, ...], hosts: int = 0, taken: tuple[torch.Tensor, torch.Tensor] | None = None,
+              matched: bool = False) -> dict[float, torch.Tensor]:
     """Per reserve share ``r``: documents pinned whole to ranks, heaviest first, each to the rank
     with the most work left to fill among those it fits (tokens and work), but for a *reserve* of
     the lightest documents holding at most ``r`` of the tokens: the sequence shares those out to
@@ -435,9 +444,16 @@ def _packings(lengths: torch.Tensor, doc_work: torch.Tensor, n: int, whole: torc
     room for an equal part of the tokens and work of the documents too big to stay whole; with
     ``taken`` (tokens and work per rank), for what parts pinned already hold.
 
-    One greedy pass serves every share (a reserve is a tail of the heaviest-first order, so each
-    share's pass is a prefix of the longest); a few heap operations per document, for at most
-    :data:`PACK_DOCS` documents (lighter ones join the reserve)."""
+    With ``matched``, each document goes instead to the rank with the most work left *beyond what
+    its tokens left would hold at the reserve's density* (work per token): most work first leaves
+    some ranks many tokens to fill with little work and others the reverse, and one reserve cannot
+    fill both (sft mix, 8 ranks: densities of 9 to 1,100 needed of a reserve of 105); matched, every
+    rank is left needing about the reserve's own density, which the sequence can share out.
+
+    One greedy pass serves every share packed at the same density (a reserve is a tail of the
+    heaviest-first order, so each share's pass is a prefix of the longest; matched, each reserve
+    has a density of its own); a few heap operations per document, for at most :data:`PACK_DOCS`
+    documents (lighter ones join the reserve)."""
     total = int(lengths.sum())
     heaviest = torch.argsort(doc_work, descending=True, stable=True)
     lighter = torch.flip(torch.cumsum(torch.flip(lengths[heaviest], [0]), 0), [0])  # tokens from here on
@@ -450,25 +466,40 @@ def _packings(lengths: torch.Tensor, doc_work: torch.Tensor, n: int, whole: torc
     if taken is not None:
         tokens_left = [t - held for t, held in zip(tokens_left, taken[0].tolist(), strict=True)]
         work_left = [w - held for w, held in zip(work_left, taken[1].tolist(), strict=True)]
-    most_work = [(-w, r) for r, w in enumerate(work_left)]  # a heap: the rank with most work left first
-    heapq.heapify(most_work)
-    owner = [-1] * max(ends.values(), default=0)
-    docs = heaviest[: len(owner)]
+    passes: dict[float, torch.Tensor] = {}  # the greedy at one density, over its longest prefix
+    packings = {}
+    for r, end in sorted(ends.items(), key=lambda share: -share[1]):
+        rest = heaviest[end:][whole[heaviest[end:]]]
+        density = float(doc_work[rest].sum()) / max(float(lengths[rest].sum()), 1.0) if matched else 0.0
+        if density not in passes:
+            passes[density] = _pack(lengths, doc_work, whole, heaviest[:end], list(tokens_left), list(work_left),
+                                    density)
+        packings[r] = torch.full_like(lengths, -1).index_copy_(0, heaviest[:end], passes[density][:end])
+    return packings
+
+
+def _pack(lengths: torch.Tensor, doc_work: torch.Tensor, whole: torch.Tensor, docs: torch.Tensor,
+          tokens_left: list[int], work_left: list[float], density: float) -> torch.Tensor:
+    """The greedy of :func:`_packings`: each of ``docs`` (heaviest first) that can stay whole to
+    the rank with the most ``work_left - density * tokens_left`` among those it fits (tokens and
+    work); the rank of each, -1 where none fits."""
+    heap = [(density * t - w, r) for r, (t, w) in enumerate(zip(tokens_left, work_left, strict=True))]
+    heapq.heapify(heap)  # the rank with the most left first
+    owner = [-1] * docs.numel()
     for i, (length, work, fits) in enumerate(zip(lengths[docs].tolist(), doc_work[docs].tolist(),
                                                  (whole[docs] & (lengths[docs] > 0)).tolist(), strict=True)):
         if not fits:
             continue
         skipped = []
-        while most_work and not (tokens_left[most_work[0][1]] >= length and -most_work[0][0] >= work):
-            skipped.append(heapq.heappop(most_work))
-        if most_work:
-            _, r = heapq.heappop(most_work)
+        while heap and not (tokens_left[heap[0][1]] >= length and work_left[heap[0][1]] >= work):
+            skipped.append(heapq.heappop(heap))
+        if heap:
+            _, r = heapq.heappop(heap)
             owner[i], tokens_left[r], work_left[r] = r, tokens_left[r] - length, work_left[r] - work
-            heapq.heappush(most_work, (-work_left[r], r))
+            heapq.heappush(heap, (density * tokens_left[r] - work_left[r], r))
         for entry in skipped:
-            heapq.heappush(most_work, entry)
-    owner = torch.tensor(owner, dtype=torch.int64)
-    return {r: torch.full_like(lengths, -1).index_copy_(0, docs[:end], owner[:end]) for r, end in ends.items()}
+            heapq.heappush(heap, entry)
+    return torch.tensor(owner, dtype=torch.int64)
 
 
 def _most_chunks(lengths: torch.Tensor, whole: torch.Tensor, rank_tokens: int) -> int:
