@@ -259,21 +259,25 @@ def test_attention_packed_plans(monkeypatch, world_size, lengths, masks, without
     check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
 
 
-@pytest.mark.parametrize("world_size, lengths", [
-    (3, [8, 2, 1, 2, 2, 0, 13, 1, 122, 8, 2, 1]),
-    (4, [21, 8, 0, 21, 3, 298, 21, 8, 0, 21, 3, 1]),
-    (5, [1, 0, 1, 1, 21, 172, 21, 3, 13, 8, 142, 8]),
+@pytest.mark.parametrize("world_size, lengths, mirrored", [
+    (3, [8, 2, 1, 2, 2, 0, 13, 1, 122, 8, 2, 1], False),
+    (4, [21, 8, 0, 21, 3, 298, 21, 8, 0, 21, 3, 1], False),
+    (5, [1, 0, 1, 1, 21, 172, 21, 3, 13, 8, 142, 8], True),
+    (3, [13, 1, 2, 13, 2, 3, 1, 0, 1, 66], True),
+    (5, [158, 3, 13, 21, 0, 1, 13, 0, 1, 0, 2, 13], True),
 ])
-def test_attention_nested_plans(monkeypatch, world_size, lengths):
+def test_attention_nested_plans(monkeypatch, world_size, lengths, mirrored):
     """Plans of the balanced planner that pin a big document's nested parts (each rank a head and
     a tail of what the ranks outside it left, the innermost the middle; doccp.plan.nested) and pack
-    the rest around them, at odd and even N, with zero-length and 1-token documents; the last pins
-    two such documents, each on ranks of its own."""
+    the rest around them, at odd and even N, with zero-length and 1-token documents; the third pins
+    two such documents, each on ranks of its own; the last three pin them mirrored (from rank N - 1)."""
     import importlib
     balanced = importlib.import_module("doccp.plan.balanced")
     layout = DocLayout.from_lengths(lengths)
     nested = max(doccp.plan(layout, world_size).stats().kv_recv)
     with monkeypatch.context() as m:
+        m.setattr(balanced, "NESTED_MIRRORED", (False,))
+        assert (nested < max(doccp.plan(layout, world_size).stats().kv_recv)) == mirrored
         m.setattr(balanced, "_nested_plan", lambda *args, **kwargs: None)
         assert nested < max(doccp.plan(layout, world_size).stats().kv_recv)  # the plans under test are nested
     cases = [(lengths, "balanced", Mask.causal(), algorithm, i) for i, algorithm in enumerate(ALGORITHMS)]

@@ -221,6 +221,12 @@ NESTED_FILLS = (1.0, 0.6, 0.3)
 #: Most documents too big to stay whole whose nested parts are pinned together, each on ranks of
 #: its own (the heaviest from rank 0, each next one after the last rank of the one before).
 NESTED_DOCS = 3
+#: The nested parts are pinned from rank 0 outwards-in and also mirrored, from rank N - 1: a
+#: sequence plan's first ranks take the costly last rows of the densest documents it cuts (and
+#: receive their prefixes), and rank 0, the outermost holder of the parts, receives the most of
+#: the big document already; mirrored, the two land on different ranks (64 layouts of 4 mixes at
+#: N 2-8 with such a document: 8 with less KV, none more; pareto #5 over 3 ranks 0.112 -> 0.079).
+NESTED_MIRRORED = (False, True)
 
 
 class Chunking(NamedTuple):
@@ -401,8 +407,8 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     if 0 < big.numel() <= NESTED_DOCS and n <= PACK_RANKS and (
             best_score is None or best_score[0] or best_score[1] > kv_goal):
         heaviest = big[torch.argsort(doc_work[big], descending=True, stable=True)].tolist()
-        result = _nested_plan(layout, n, mask, whole, doc_work, heaviest,
-                              at_once=ahead(len(NESTED_FILLS) * (1 + len(PACK_HOSTED_RESERVE)), 1), best=best_score)
+        configs = len(NESTED_FILLS) * len(NESTED_MIRRORED) * (1 + len(PACK_HOSTED_RESERVE))
+        result = _nested_plan(layout, n, mask, whole, doc_work, heaviest, at_once=ahead(configs, 1), best=best_score)
         if result is not None and (best_score is None or _better(result[1], best_score)):
             best, best_score = result[0], result[1]
     # No balanced plan: tiny layouts (a few documents of a few tokens per rank) can defeat the
@@ -512,7 +518,8 @@ def _most_chunks(lengths: torch.Tensor, whole: torch.Tensor, rank_tokens: int) -
 def _nested_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, doc_work: torch.Tensor,
                  docs: list[int], at_once: bool = True, best: tuple | None = None) -> tuple | None:
     """The best plan that pins the nested parts of documents ``docs`` (:mod:`doccp.plan.nested`;
-    each on ranks of its own, see :func:`_nested_layouts`; sized for a work cap between the mean
+    each on ranks of its own, see :func:`_nested_layouts`, and mirrored, see :data:`NESTED_MIRRORED`;
+    sized for a work cap between the mean
     and the tolerance, the other documents filling up at each of :data:`NESTED_FILLS` of their
     mean work per token): the sequence shares out every other document, or only a reserve of the
     lightest after the rest is packed whole around the parts (:func:`_packings`); with its score
@@ -527,10 +534,12 @@ def _nested_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, doc
     # is above this cannot win (_better).
     limit = None if best is None or best[0] else best[1] * (1 + KV_SLACK) if best[2] else best[1]
     configs, parts_of, sized = [], [], set()
-    for parts in _nested_layouts(docs, lengths, even_sizes(layout.num_tokens, n), cap,
-                                 [fill * f for f in NESTED_FILLS], mask, limit):
-        key = None if parts is None else parts.start.numpy().tobytes() + parts.rank.numpy().tobytes()
-        if key is None or key in sized:  # (a lighter fill may size the same parts)
+    layouts = [p for p in _nested_layouts(docs, lengths, even_sizes(layout.num_tokens, n), cap,
+                                          [fill * f for f in NESTED_FILLS], mask, limit) if p is not None]
+    for parts in [Pieces(n - 1 - p.rank if mirrored else p.rank, p.doc, p.start, p.end)
+                  for mirrored in NESTED_MIRRORED for p in layouts]:
+        key = parts.start.numpy().tobytes() + parts.rank.numpy().tobytes()
+        if key in sized:  # (a lighter fill may size the same parts)
             continue
         sized.add(key)
         work = mask.row_work(parts.start, parts.end, lengths.index_select(0, parts.doc)).double()
