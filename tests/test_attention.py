@@ -230,12 +230,12 @@ def test_attention_bisection_plans(world_size, lengths, masks, late):
 
 
 @pytest.mark.parametrize("world_size, lengths, masks, without", [
-    (2, [3, 12, 7, 1, 12, 1, 1, 20, 12, 31, 12, 0, 12, 1], [Mask.causal()], ("PACK_RANKS", 0)),
+    (2, [1, 1, 29, 20, 0, 20, 20, 5, 0, 1, 0, 12, 1, 2, 5], [Mask.causal()], ("PACK_RANKS", 0)),
     (3, [1, 20, 20, 3, 12, 3, 20, 31, 7, 31, 0, 31, 1, 12], [Mask.causal(), Mask.sliding_window(5)],
      ("PACK_RANKS", 0)),
     (2, [5, 12, 1, 12, 52, 0, 12, 1], [Mask.causal()], ("PACK_HEAD_RESERVE", ())),
     (3, [12, 2, 0, 1, 36, 1, 7], [Mask.causal()], ("PACK_HEAD_RESERVE", ())),
-    (3, [2, 1, 12, 1, 5, 5, 7, 1, 3, 1, 0], [Mask.causal()], ("PACK_HOSTED_RESERVE", ())),
+    (3, [5, 5, 12, 2, 0, 5, 1, 25, 3, 7, 2, 1], [Mask.causal()], ("PACK_HOSTED_RESERVE", ())),
     (4, [12, 3, 27, 0, 20, 1, 20, 1, 7], [Mask.causal()], ("PACK_HOSTED_RESERVE", ())),
 ], ids=["packing-2", "packing-3", "head-back-packing-2", "head-back-packing-3", "hosted-packing-3",
         "hosted-packing-4"])
