@@ -494,17 +494,17 @@ def test_lower_bound_is_below_the_optimum(mask):
     """Against every possible plan of tiny layouts (exhaustive search): the bound never exceeds
     the least max KV any balanced plan achieves, and the balanced planner's plan, when balanced,
     is never below it. The first layouts are ones where the third figure is what reaches the
-    optimum (causal)."""
+    optimum (causal), the next two where the fourth is (full mask)."""
     from doccp.plan.bound import _Figures, kv_lower_bound
     rng = random.Random(f"optimum {mask}")
-    layouts = [([7, 2], 2), ([6, 3, 1], 2), ([4, 3, 2, 1], 2)]
+    layouts = [([7, 2], 2), ([6, 3, 1], 2), ([4, 3, 2, 1], 2), ([8], 3), ([7], 4)]
     for _ in range(40):
         n = rng.choice([2, 2, 3])
         lengths = [rng.randint(1, 7) for _ in range(rng.randint(1, 5))][: 9 if n == 2 else 7]
         while sum(lengths) > (10 if n == 2 else 7):
             lengths.pop()
         layouts.append((lengths, n))
-    checked = third = 0
+    checked = third = fourth = 0
     for lengths, n in layouts:
         layout = DocLayout.from_lengths(lengths)
         for tolerance in (1.0, 1.25):
@@ -515,12 +515,54 @@ def test_lower_bound_is_below_the_optimum(mask):
             assert bound <= best, (lengths, n, tolerance, bound, best)
             checked += bound > 0
             third += bound == best > _Figures(layout, n, mask, tolerance).largest()
+            fourth += bound == best > _without_the_fourth_figure(layout, n, mask, tolerance)
             s = plan(layout, n, mask).stats()
             if s.imbalance <= tolerance:
                 assert max(s.kv_recv) >= best, (lengths, n, tolerance)
     assert checked >= 5  # the comparison is not vacuous
     if mask == Mask.causal():
         assert third >= 3
+    if mask == Mask.full():
+        assert fourth >= 2
+
+
+def _without_the_fourth_figure(layout: DocLayout, n: int, mask: Mask, tolerance: float = 1.01) -> int:
+    from doccp.plan import bound
+    chain = bound._Figures._chain_allows
+    try:
+        bound._Figures._chain_allows = lambda self, length, keys: True
+        return bound.kv_lower_bound(layout, n, mask, tolerance)
+    finally:
+        bound._Figures._chain_allows = chain
+
+
+def test_fourth_figure_follows_the_holders_of_the_top_rows():
+    """The module docstring's example: one document of 12 tokens and 6 of 1 token over 3 ranks.
+    If no rank received more than 6 keys, the two holders of the document's top rows would need
+    more than two ranks' work, and two ranks cannot hold it all: 7 (6 without the fourth figure).
+    The bound holds for every balanced plan of every strategy on layouts of one or two long
+    documents among short ones over 2-8 ranks, where the fourth figure raises it most."""
+    from doccp.plan.bound import kv_lower_bound
+    layout = DocLayout.from_lengths([12] + [1] * 6)
+    assert _without_the_fourth_figure(layout, 3, Mask.causal()) == 6
+    assert kv_lower_bound(layout, 3, Mask.causal()) == 7
+    rng = random.Random("fourth figure")
+    raised = checked = 0
+    for _ in range(24):
+        n = rng.randint(2, 8)
+        mask = rng.choice([Mask.causal(), Mask.causal(), Mask.full()])
+        lengths = [rng.randint(10, 300)] * rng.randint(1, 2) + [rng.randint(1, rng.choice([3, 20, 60]))
+                                                                for _ in range(rng.randint(0, 30))]
+        rng.shuffle(lengths)
+        layout = DocLayout.from_lengths(lengths)
+        bound = kv_lower_bound(layout, n, mask)
+        raised += bound > _without_the_fourth_figure(layout, n, mask)
+        for strategy in STRATEGIES:
+            s = plan(layout, n, mask, strategy).stats()
+            if s.imbalance <= 1.01:
+                checked += 1
+                assert max(s.kv_recv) >= bound, (lengths, n, mask, strategy)
+    assert raised >= 6 and checked >= 24
 
 
 def test_lower_bound_of_one_document_over_two_ranks():
@@ -575,17 +617,21 @@ def test_third_figure_holds_only_rows_the_document_has():
 
 
 @pytest.mark.parametrize("mask", [Mask.causal(), Mask.full()], ids=str)
-def test_third_figure_is_monotone_in_the_keys_allowed(mask):
-    """The bound bisects the third figure over K, which is exact only if allowing more keys never
-    turns a feasible K infeasible: checked at every K on random layouts."""
+def test_third_and_fourth_figures_are_monotone_in_the_keys_allowed(mask):
+    """The bound bisects the third and fourth figures over K, which is exact only if allowing more
+    keys never turns a feasible K infeasible: checked at every K on random layouts, a third of them
+    with a document the fourth figure follows over several ranks."""
     from doccp.plan.bound import _Figures
     rng = random.Random(f"monotone {mask}")
+    chains = 0
     for _ in range(40):
         n = rng.randint(2, 5)
         lengths = [rng.choice([1, 2, 5, 9, 30, 80]) for _ in range(rng.randint(1, 12))]
         figures = _Figures(DocLayout.from_lengths(lengths), n, mask, rng.choice([1.0, 1.01, 1.2]))
         allowed = [figures.allow(k) for k in range(sum(lengths) + 1)]
         assert allowed == sorted(allowed), (lengths, n)
+        chains += any(figures._fewest_holders(length) >= 2 for length in set(lengths))
+    assert chains >= 13
 
 
 @settings(max_examples=80, deadline=None)

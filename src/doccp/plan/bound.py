@@ -46,9 +46,25 @@ more keys never hurts, so it is found by bisection)::
     rows: 10 + 1. None fits 10.1, so some rank receives 2 keys, the optimum (the first figure
     gives 1).
 
+A fourth figure follows the ranks that hold a document's top rows, where no one rank can hold
+all of it. Let ``A_1`` hold its last row and ``A_k`` the highest row ``q`` that ``A_1 .. A_{k-1}``
+lack (every row above ``q`` is theirs, so ``A_k`` holds none above it and receives the keys up to
+``q`` it lacks). With no rank receiving more than ``K``, ``A_1`` holds at least ``keys(L - 1) - K``
+rows of the document and ``A_2 .. A_k`` at least ``keys(q) - K`` each; so the first ``k`` hold
+rows ``[q, L)``, the rest of those rows at the least their cheapest first rows cost, and fill up to
+``kF`` tokens with the cheapest rows of the layout, within ``k`` caps. If no ``q`` fits, the
+document lies on fewer than ``k`` ranks; if fewer cannot hold it, no such plan exists::
+
+    causal, 3 ranks, 12 tokens and 6 of 1 token (F = 6, cap 28.3): could no rank receive more
+    than K = 6? Two ranks cannot hold the document's 78 pairs (2 caps: 56.6), so k = 2 must fit.
+    A_1 holds at least 12 - 6 rows and A_2 at least q + 1 - 6. q <= 6: rows [6, 12) alone cost
+    57. q = 7: rows [7, 12) cost 50, 3 more rows (the first: 6) and 4 fill rows (4), 60; q = 8:
+    42 + 15 + 3; higher q cost more. So some rank receives 7 (the third figure gives 6; the
+    balanced planner's plan receives 8).
+
 The bound is the largest of these figures over all documents (0 when every document may stay
 whole next to the cheapest fill). Only the mask protocol is used (``pairs`` for the work,
-``row_costs`` for the rows), so it holds for every mask; the second and third figures only where
+``row_costs`` for the rows), so it holds for every mask; the other three figures only where
 every row sees its document from key 0 and costs never fall along the document (causal, full).
 It is exact for one document much longer than a rank and 0 when only the packing of many short
 documents forces cuts (where :mod:`bench.plan` reports no ratio). Host cost: O(tokens + distinct
@@ -69,22 +85,28 @@ TOLERANCE = 1.01
 J_PARTS = 4
 #: Most ranges :meth:`_Figures._fits_within` keeps refining at once.
 MAX_RANGES = 1 << 20
+#: Most holders of a document's top rows the fourth figure counts (checking fewer never overstates
+#: the bound): on the benchmark's layouts it rules plans out with 2-4 of them, and each more is one
+#: pass over the document's rows per step of the bisection.
+CHAIN_HOLDERS = 8
 
 
 class _Pool:
     """Rows in groups of rising cost (``cost[g]`` per row of group ``g``, ``counts[g]`` rows): the
     least work of any ``t`` of them, for many ``t`` at once."""
 
-    def __init__(self, cost: torch.Tensor, counts: torch.Tensor):
+    def __init__(self, cost: torch.Tensor, counts: torch.Tensor, indexed: bool = False):
         self.cost = cost.double()
         self.rows = torch.cumsum(counts.double(), 0)
         self.work = torch.cumsum(self.cost * counts, 0)
+        # indexed: every row's cost, cheapest first (one gather per :meth:`row_cost`, no search)
+        self.nth = torch.repeat_interleave(self.cost, counts.long()) if indexed else None
 
     @classmethod
-    def of_histogram(cls, counts: torch.Tensor) -> _Pool:
+    def of_histogram(cls, counts: torch.Tensor, indexed: bool = False) -> _Pool:
         """Rows by cost, ``counts[c]`` rows of cost ``c`` (costs are at most the longest document,
         so no sort of every row)."""
-        return cls(torch.arange(counts.numel()), counts)
+        return cls(torch.arange(counts.numel()), counts, indexed)
 
     @property
     def size(self) -> int:
@@ -92,6 +114,8 @@ class _Pool:
 
     def row_cost(self, k: torch.Tensor) -> torch.Tensor:
         """Cost of the ``k``-th cheapest row (``1 <= k <= size``)."""
+        if self.nth is not None:
+            return self.nth[k.clamp(max=self.nth.numel()) - 1]
         return self.cost[torch.searchsorted(self.rows, k.double()).clamp(max=self.cost.numel() - 1)]
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
@@ -132,7 +156,7 @@ def kv_lower_bound(layout: DocLayout, world_size: int, mask: Mask, tolerance: fl
         return 0
     figures = _Figures(layout, world_size, mask, tolerance)
     bound = figures.largest()
-    if figures.prefix_masked:  # third figure: the least K every document allows (monotone in K)
+    if figures.prefix_masked:  # third and fourth figures: the least K every document allows
         lo, hi = bound, min(figures.total - figures.floor_tokens, figures.longest_top)
         while lo < hi:
             mid = (lo + hi) // 2
@@ -155,11 +179,13 @@ class _Figures:
         self.everyone = torch.zeros(self.width, dtype=torch.float64)
         for length, k in zip(self.distinct.tolist(), self.copies.tolist(), strict=True):
             self.everyone += k * torch.bincount(self.costs[length], minlength=self.width)
-        self.every_row = _Pool.of_histogram(self.everyone)
+        self.every_row = _Pool.of_histogram(self.everyone, indexed=True)  # (the fourth figure's)
         mean = mask.row_work(0, self.distinct, self.distinct).double() / self.distinct
         self.by_mean = torch.argsort(mean)
         self.mean = mean[self.by_mean]
         self.longest_top = int(self.costs[int(self.distinct[-1])][-1])  # every K above it is allowed
+        self._holders: dict[int, int] = {}
+        self._splits: dict[int, torch.Tensor] = {}
         self.prefix_masked = all(_rows_see_from_zero(mask, length) and bool((c[1:] >= c[:-1]).all())
                                  for length, c in self.costs.items())
 
@@ -207,9 +233,11 @@ class _Figures:
             a, b = edges[:, :-1].reshape(-1), edges[:, 1:].reshape(-1) - 1
 
     def allow(self, keys: int) -> bool:
-        """Whether every document's last row fits some rank in a plan where no rank receives more
-        than ``keys`` keys (third figure); ``False`` proves that every balanced plan receives more.
-        Monotone in ``keys`` (every option below only gets cheaper as ``keys`` grows), so
+        """Whether every document's last row fits some rank, and the holders of its top rows fit
+        theirs, in a plan where no rank receives more than ``keys`` keys (third and fourth figures);
+        ``False`` proves that every balanced plan receives more. Monotone in ``keys`` (every
+        option only gets cheaper as it grows: the fourth figure charges the least work of any
+        number of rows under ``q`` from the fewest the holders need on), so
         :func:`kv_lower_bound` bisects it."""
         budget = (self.world_size - 1) * keys
         for index, length in self._longest_first():
@@ -242,7 +270,69 @@ class _Figures:
                     break
             else:
                 return False
+            if not self._chain_allows(length, keys):
+                return False
         return True
+
+    def _fewest_holders(self, length: int) -> int:
+        """The fewest ranks that can hold all of a document of ``length`` tokens, each filled up
+        to the floor with the cheapest rows of the layout (fourth figure); cached per length."""
+        if length not in self._holders:
+            work = float(self.costs[length].double().sum())
+            c = torch.arange(1, self.world_size + 1)
+            fits = (length <= c * self.cap_tokens) & (
+                work + self.every_row((c * self.floor_tokens - length).clamp(min=0)) <= c * self.cap_work)
+            self._holders[length] = int(c[fits][0]) if bool(fits.any()) else self.world_size + 1
+        return self._holders[length]
+
+    def _chain_allows(self, length: int, keys: int) -> bool:
+        """Whether the first ``k`` holders of a document's top rows fit the cap together, for every
+        ``k`` up to the fewest ranks that can hold all of it, in a plan where no rank receives more
+        than ``keys`` keys (fourth figure, module docstring)."""
+        holders = min(self._fewest_holders(length), self.world_size, CHAIN_HOLDERS)
+        if holders < 2:
+            return True
+        costs = self.costs[length].double()
+        suffix = torch.cumsum(costs.flip(0), 0).flip(0)[:-1]  # work of rows [q, L), q <= L - 2
+        first = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(costs, 0)])
+        top = max(int(self.costs[length][-1]) - keys, 0)  # rows the top row's holder holds at least
+        split = self._cheapest_split(length)
+        for k in range(2, holders + 1):
+            # q, the highest row the first k - 1 holders lack: rows [q, L) are the k holders', and
+            # no fewer than L - q of them fit the k ranks' tokens and work
+            least = max(length - k * self.cap_tokens, int(torch.searchsorted(-suffix, -k * self.cap_work)))
+            q = torch.arange(least, length - 1)
+            above = length - q
+            rows = top + (k - 1) * (self.costs[length][least:-1] - keys).clamp(min=0)
+            fill = k * self.floor_tokens - above  # rows the k ranks hold besides rows [q, L)
+            # j rows under q (their first j at least), j from the least the holders need to the most
+            # they can hold, and fill - j rows of the layout: the least work of any such j
+            need = torch.maximum((rows - above).clamp(min=0), fill - self.every_row.size)
+            most = torch.minimum(q, k * self.cap_tokens - above)
+            j = torch.maximum(torch.minimum(split[fill.clamp(0, self.total)], most), need)
+            work = suffix[least:] + first[j.clamp(max=length)] + self.every_row((fill - j).clamp(min=0))
+            if not bool(((need <= most) & (work <= k * self.cap_work)).any()):
+                return False  # no k holders fit, and fewer than k cannot hold all of it
+        return True
+
+    def _cheapest_split(self, length: int) -> torch.Tensor:
+        """For every ``t`` up to the layout's tokens, the ``j`` for which the first ``j`` rows of a
+        document of ``length`` tokens plus the cheapest ``t - j`` rows of the layout cost least;
+        cached per length. Convex in ``j``: the first ``j`` whose next row of the document costs no
+        less than the layout's row it replaces, so the least over a range of ``j`` is at this ``j``
+        clamped into the range."""
+        if length not in self._splits:
+            costs = self.costs[length].double()
+            t = torch.arange(self.total + 1)
+            lo, hi = torch.zeros_like(t), t.clamp(max=length - 1)
+            while bool((lo < hi).any()):
+                mid = (lo + hi) // 2
+                left = t - mid
+                replaced = torch.where(left >= 1, self.every_row.row_cost(left.clamp(min=1)), 0.0)
+                stop, active = costs[mid] >= replaced, lo < hi
+                lo, hi = torch.where(active & ~stop, mid + 1, lo), torch.where(active & stop, mid, hi)
+            self._splits[length] = lo
+        return self._splits[length]
 
 
 def _holder_of_the_top_row(costs: torch.Tensor, fill: _Pool, floor_tokens: int, cap_tokens: int,
