@@ -764,6 +764,20 @@ def test_matched_packing_leaves_every_rank_the_reserves_density(monkeypatch):
     assert plan(layout, 4).stats().max_kv_fraction == pytest.approx(0.0068, abs=0.0005)
 
 
+def test_costlier_candidates_run_while_the_plan_receives_much(monkeypatch):
+    """The head-at-back, bisection and nested candidates run while the best plan receives more than
+    KV_HEAVY of an all-gather, even within KV_GOAL of the contiguous split's: pretrain over 4 ranks,
+    layout 5, receives 0.163 of one when they stop at a quarter and under 0.1 now, balanced."""
+    layout = DocLayout.from_lengths(workloads.layout("pretrain", 131072, 5))
+    contiguous = plan(layout, 4, Mask.causal(), "contiguous").stats().max_kv_fraction
+    s = plan(layout, 4).stats()
+    assert s.imbalance <= 1.01 and s.max_kv_fraction < 0.1
+    heavy = balanced.KV_HEAVY
+    monkeypatch.setattr(balanced, "KV_HEAVY", 0.25)
+    stopped = plan(layout, 4).stats().max_kv_fraction
+    assert heavy < 0.15 < stopped < contiguous + balanced.KV_GOAL
+
+
 def test_packing_pins_at_most_pack_docs(monkeypatch):
     """The packing's greedy is a Python step per document: it pins the PACK_DOCS heaviest at most,
     and the lighter ones join the reserve (the plan stays exact and balanced)."""
