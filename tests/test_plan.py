@@ -766,16 +766,25 @@ def test_matched_packing_leaves_every_rank_the_reserves_density(monkeypatch):
 
 def test_costlier_candidates_run_while_the_plan_receives_much(monkeypatch):
     """The head-at-back, bisection and nested candidates run while the best plan receives more than
-    KV_HEAVY of an all-gather, even within KV_GOAL of the contiguous split's: pretrain over 4 ranks,
-    layout 5, receives 0.163 of one when they stop at a quarter and under 0.1 now, balanced."""
+    KV_BIG of an all-gather in a big batch, even within KV_GOAL of the contiguous split's: pretrain
+    over 4 ranks, 131k tokens, layout 5, receives 0.163 of one when they stop at KV_HEAVY (a
+    quarter) and under 0.1 now, balanced. In a small batch the same share is few tokens, and they
+    still stop at KV_HEAVY: pretrain over 8 ranks, 32k tokens, layout 5, keeps 0.225 (6,451 tokens),
+    where they would find 0.189."""
     layout = DocLayout.from_lengths(workloads.layout("pretrain", 131072, 5))
     contiguous = plan(layout, 4, Mask.causal(), "contiguous").stats().max_kv_fraction
     s = plan(layout, 4).stats()
     assert s.imbalance <= 1.01 and s.max_kv_fraction < 0.1
-    heavy = balanced.KV_HEAVY
-    monkeypatch.setattr(balanced, "KV_HEAVY", 0.25)
+    small = DocLayout.from_lengths(workloads.layout("pretrain", 32768, 5))
+    kept = plan(small, 8).stats().max_kv_fraction
+    assert kept * (small.num_tokens - small.num_tokens // 8) < balanced.KV_BIG_TOKENS
+    monkeypatch.setattr(balanced, "KV_BIG", balanced.KV_HEAVY)
     stopped = plan(layout, 4).stats().max_kv_fraction
-    assert heavy < 0.15 < stopped < contiguous + balanced.KV_GOAL
+    assert 0.15 < stopped < contiguous + balanced.KV_GOAL
+    monkeypatch.setattr(balanced, "KV_BIG", 0.08)
+    monkeypatch.setattr(balanced, "KV_BIG_TOKENS", 0)
+    assert plan(small, 8).stats().max_kv_fraction < kept - 0.03
+
 
 
 def test_packing_pins_at_most_pack_docs(monkeypatch):

@@ -68,11 +68,11 @@ head_tail's, which balances each document on its own under a causal mask.
 
 The costlier candidates (head-at-back layouts, bisections) are tried only while the best plan
 receives more than the (unbalanced) contiguous split's max KV plus :data:`KV_GOAL` of an
-all-gather, or more than :data:`KV_HEAVY` of one. Every candidate plan is scored (unbalanced,
-max KV received, whole-able documents cut, spread) and the best one kept; a handful of
-candidates, each O(chunks log chunks + N log T) vectorised host work (the bisection: O(log N)
-levels of it), no loop over documents or ranks (but the packings' greedy, over a few hundred
-documents at most). Small layouts are bound by the per-call overhead of that work, not its
+all-gather, or more than :data:`KV_HEAVY` of one (:data:`KV_BIG` in a big batch). Every
+candidate plan is scored (unbalanced, max KV received, whole-able documents cut, spread) and
+the best one kept; a handful of candidates, each O(chunks log chunks + N log T) vectorised host
+work (the bisection: O(log N) levels of it), no loop over documents or ranks (but the packings'
+greedy, over a few hundred documents at most). Small layouts are bound by the per-call overhead of that work, not its
 width, so every bisection variant is solved in one pass (each in rank
 groups of its own) the first time one is tried, and so are the sequence plans the search is
 about to try (each configuration a group of its own; plans solved together are scored together):
@@ -133,16 +133,20 @@ MONOTONE_ROUNDS = 4
 #: lay out the same sequence (small layouts) are tried once (:func:`_distinct_chunkings`), so the
 #: search's attempts go to distinct plans.
 CHUNKS_PER_RANK = (0, 4, 16, 64, 256, 1024)
-#: The costlier candidates (head-at-back layouts, the bisection) are tried only where the best plan
-#: so far receives more than the contiguous split's max KV plus KV_GOAL of an all-gather, or more
-#: than KV_HEAVY of one (each costs one or O(log N) more solves). A plan within the goal may still
-#: receive much: KV_HEAVY at 0.08, not 0.25, lowered the KV on 34 of 240 layouts of 5 mixes (N 2-64;
-#: pretrain over 4 ranks, layout 5: 0.163 -> 0.092; mean pretrain N = 8 0.185 -> 0.169, lognormal
-#: N = 64 worst 0.122 -> 0.099) and raised it on 2 (by at most 0.009, for fewer documents cut), for
-#: about 12% more planning time on those layouts; none where plans receive little (sft, and the
-#: lognormal layouts of 1M-16M tokens).
+#: The costlier candidates (head-at-back layouts, the bisection, nested parts) are tried only where
+#: the best plan so far receives more than the contiguous split's max KV plus KV_GOAL of an
+#: all-gather, or more than KV_HEAVY of one (each costs one or O(log N) more solves), or, in a big
+#: batch, more than KV_BIG of one and KV_BIG_TOKENS tokens. A plan within the goal may still receive
+#: much: trying them above 0.08 of an all-gather, not only above 0.25, lowered the KV on 34 of 240
+#: layouts of 131k tokens (5 mixes, N 2-64; pretrain over 4 ranks, layout 5: 0.163 -> 0.092; mean
+#: pretrain N = 8 0.185 -> 0.169, lognormal N = 64 worst 0.122 -> 0.099) and raised it on 2 (by at
+#: most 0.009, for fewer documents cut), for about 12% more planning time there. In a small batch
+#: the same KV share is few tokens, and the search took 2-4x as long (32k tokens over 8 ranks: a
+#: median of 38 -> 140 ms), so the lower threshold waits for a few thousand tokens of KV.
 KV_GOAL = 0.05
-KV_HEAVY = 0.08
+KV_HEAVY = 0.25
+KV_BIG = 0.08
+KV_BIG_TOKENS = 8192
 #: Where the sequences of the plans solved together hold at most this many chunks (and few ranks),
 #: the search solves ahead: the first probes in one pass, and a pinning pass in lockstep (every
 #: chain's rounds, a round at a time for all chains) where it is likely to run long. Such layouts are
@@ -271,10 +275,11 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     whole = (lengths <= rank_tokens) & (doc_work.double() <= float(doc_work.sum()) / n)
     best, best_score, attempts = None, None, 0
     # Where the costlier candidates are tried: above the (unbalanced) contiguous split's max KV plus a
-    # little, or above KV_HEAVY of an all-gather.
+    # little, or above KV_HEAVY of an all-gather, or above KV_BIG of one where that is many tokens.
     allgather = layout.num_tokens - layout.num_tokens // n
     contiguous = _score(cut_stream(layout.cu_seqlens, even_sizes(layout.num_tokens, n)), layout, n, mask, whole)
-    kv_goal = min(contiguous[0][1] + KV_GOAL * allgather, KV_HEAVY * allgather)
+    kv_goal = min(contiguous[0][1] + KV_GOAL * allgather, KV_HEAVY * allgather,
+                  max(KV_BIG * allgather, KV_BIG_TOKENS))
     # Round 0 (no pins) of the probes, then pinning rounds, until _done. Round 0 of a chunking is
     # solved once (``unpinned``); a chunking that cannot balance is not pinned.
     chunkings = _distinct_chunkings(lengths, whole, rank_tokens)
