@@ -230,10 +230,10 @@ def test_attention_bisection_plans(world_size, lengths, masks, late):
 
 
 @pytest.mark.parametrize("world_size, lengths, masks, without", [
-    (2, [1, 1, 29, 20, 0, 20, 20, 5, 0, 1, 0, 12, 1, 2, 5], [Mask.causal()], ("PACK_RANKS", 0)),
+    (2, [20, 52, 1, 0, 1, 12, 36, 7, 36, 2, 20, 29, 2, 12, 5], [Mask.causal()], ("PACK_RANKS", 0)),
     (3, [1, 20, 20, 3, 12, 3, 20, 31, 7, 31, 0, 31, 1, 12], [Mask.causal(), Mask.sliding_window(5)],
      ("PACK_RANKS", 0)),
-    (2, [5, 12, 1, 12, 52, 0, 12, 1], [Mask.causal()], ("PACK_HEAD_RESERVE", ())),
+    (2, [0, 7, 5, 7, 3, 1, 29, 7, 2, 7, 3], [Mask.causal()], ("PACK_HEAD_RESERVE", ())),
     (3, [12, 2, 0, 1, 36, 1, 7], [Mask.causal()], ("PACK_HEAD_RESERVE", ())),
     (3, [5, 5, 12, 2, 0, 5, 1, 25, 3, 7, 2, 1], [Mask.causal()], ("PACK_HOSTED_RESERVE", ())),
     (4, [12, 3, 27, 0, 20, 1, 20, 1, 7], [Mask.causal()], ("PACK_HOSTED_RESERVE", ())),
@@ -283,6 +283,23 @@ def test_attention_nested_plans(monkeypatch, world_size, lengths, mirrored):
         assert nested < max(doccp.plan(layout, world_size).stats().kv_recv)  # the plans under test are nested
     cases = [(lengths, "balanced", Mask.causal(), algorithm, i) for i, algorithm in enumerate(ALGORITHMS)]
     check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
+
+
+@pytest.mark.parametrize("lengths", [[5, 8, 90, 31, 0, 20, 3, 90, 0, 2, 1, 8], [60, 0, 20, 0, 2, 60, 3, 1, 3]])
+def test_attention_two_rank_plans(monkeypatch, lengths):
+    """Plans of the balanced planner's two-rank candidate (doccp.plan.two_ranks: one document's
+    head and tail on one rank, its middle on the other, beside whole documents a local search
+    picks), with zero-length and 1-token documents."""
+    import importlib
+    balanced = importlib.import_module("doccp.plan.balanced")
+    layout = DocLayout.from_lengths(lengths)
+    s = doccp.plan(layout, 2).stats()
+    assert s.imbalance <= 1.01
+    with monkeypatch.context() as m:
+        m.setattr(balanced, "TWO_RANKS_KV", float("inf"))
+        assert max(s.kv_recv) < max(doccp.plan(layout, 2).stats().kv_recv)  # the plans under test
+    cases = [(lengths, "balanced", Mask.causal(), algorithm, i) for i, algorithm in enumerate(ALGORITHMS)]
+    check(spawn(run_cases, 2, 2, cases, threads=1), cases, 2)
 
 
 def test_chunks_that_do_not_straddle_ranks_move_nothing():

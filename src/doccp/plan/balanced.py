@@ -64,7 +64,10 @@ innermost the middle, sized so that no rank receives more than the least bound t
 such documents each on ranks of their own), pinned from rank 0 or, mirrored, from rank N - 1, with
 the other documents shared out or packed around them (the same document: 49%). Where nothing
 balances (a few documents of a few tokens per rank can defeat every cut), the plan is
-head_tail's, which balances each document on its own under a causal mask.
+head_tail's, which balances each document on its own under a causal mask. With two ranks
+under a causal mask, :mod:`doccp.plan.two_ranks` adds plans that cut one document, head and tail
+on one rank and middle on the other, beside whole documents a local search picks (both a head
+and the whole documents beside it are sized exactly, which the sequence's cuts cannot do).
 
 The costlier candidates (head-at-back layouts, bisections) are tried only while the best plan
 receives more than the (unbalanced) contiguous split's max KV plus :data:`KV_GOAL` of an
@@ -90,11 +93,12 @@ from typing import NamedTuple
 import torch
 
 from doccp.layout import DocLayout
-from doccp.masks import Mask
+from doccp.masks import BandMask, Mask
 from doccp.plan.exchange import visible_intervals
 from doccp.plan.head_tail import head_tail
 from doccp.plan.nested import nested_parts
 from doccp.plan.pieces import Pieces, cut_stream, even_sizes
+from doccp.plan.two_ranks import two_rank_plans
 from doccp.ranges import expand, repeat
 
 #: Work imbalance (max/mean) a plan must reach.
@@ -235,6 +239,10 @@ NESTED_DOCS = 3
 #: the big document already; mirrored, the two land on different ranks (64 layouts of 4 mixes at
 #: N 2-8 with such a document: 8 with less KV, none more; pareto #5 over 3 ranks 0.112 -> 0.079).
 NESTED_MIRRORED = (False, True)
+#: With two ranks under a causal mask, the plans of :mod:`doccp.plan.two_ranks` are tried where the
+#: best plan receives more than this share of an all-gather (below, few tokens to gain for up to
+#: 100-250 ms of local search on 131k tokens).
+TWO_RANKS_KV = 0.02
 
 
 class Chunking(NamedTuple):
@@ -420,6 +428,13 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
         result = _nested_plan(layout, n, mask, whole, doc_work, heaviest, at_once=ahead(configs, 1), best=best_score)
         if result is not None and (best_score is None or _better(result[1], best_score)):
             best, best_score = result[0], result[1]
+    # Two ranks, causal: one document's head and tail on one rank, its middle on the other, next
+    # to the whole documents a local search picks (doccp.plan.two_ranks).
+    causal = isinstance(mask, BandMask) and mask.is_causal
+    if n == 2 and causal and (best_score is None or best_score[0] or best_score[1] > TWO_RANKS_KV * allgather):
+        for result in scored(two_rank_plans(lengths, doc_work, whole, int(even_sizes(layout.num_tokens, n)[0]))):
+            if best_score is None or _better(result[1], best_score):
+                best, best_score = result[0], result[1]
     # No balanced plan: tiny layouts (a few documents of a few tokens per rank) can defeat the
     # search's cuts, while head_tail balances every document on its own under a causal mask.
     if best_score is None or best_score[0]:
