@@ -1105,10 +1105,13 @@ def test_bisection_plan_partitions_the_stream(case):
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(2, 12).flatmap(lambda n: st.tuples(layouts(n), st.just(n), masks)))
+# A window ending at its group's end: the snap's nearby boundaries came from the next group's chunks.
+@example(([4, 4, 4, 5, 6, 10, 10, 10, 10, 10, 13, 20, 18, 21, 21, 22, 25, 25, 30], 6, Mask.sliding_window(2, 0)))
 def test_bisection_variants_solved_together_are_each_alone(case):
     """The variants share one pass of vectorised calls as rank groups of their own; no group may
     sway another (a bisection row that stops early, a tie-break scaled by another plan's groups,
-    the penalty of a cut that could be avoided), so each plan is the one it gets alone."""
+    the penalty of a cut that could be avoided, a cut at a group's end snapped onto the next
+    group's boundaries), so each plan is the one it gets alone."""
     lengths, n, mask = case
     layout = DocLayout.from_lengths(lengths)
     if layout.num_tokens == 0:

@@ -1192,7 +1192,9 @@ class Sequence:
         y = x + offset
         candidates = [x]
         for cut in (x, y):
-            i = self.locate(base + cut)[0]
+            # The group's own chunk (a cut at the group's end is in its last chunk, as it is when
+            # the group is alone: the next group's chunks must not move which boundaries are near).
+            i = torch.minimum(self.locate(base + cut)[0], torch.as_tensor(last) - 1)
             for j in range(-SNAP_REACH, SNAP_REACH + 2):  # this cut onto a nearby chunk boundary
                 near = torch.minimum(torch.maximum(i + j, torch.as_tensor(first)), torch.as_tensor(last))
                 candidates.append(x + _at(self.cu, near) - base - cut)
