@@ -378,13 +378,16 @@ def test_readme_example_keeps_short_documents_whole():
 
 
 def test_short_documents_stay_whole_for_a_little_kv_not_for_much_traffic():
-    """A plan cutting fewer documents that could stay whole wins within KV_SLACK of the other's
-    KV *and* KV_SLACK_ALLGATHER of an all-gather; beyond either, the least KV wins."""
-    whole_kept, one_cut = (False, 1030, 0, 1.0), (False, 1000, 1, 1.0)  # 3% more KV to keep it whole
-    assert balanced._better(whole_kept, one_cut, allgather=1536)  # 30 tokens: 0.020 of an all-gather
-    assert not balanced._better(whole_kept, one_cut, allgather=1000)  # 0.030 of one: the cut saves traffic
-    assert balanced._better(one_cut, whole_kept, allgather=1000)
-    assert not balanced._better((False, 1060, 0, 1.0), one_cut, allgather=10 ** 6)  # 6%: beyond KV_SLACK
+    """A plan cutting fewer documents that could stay whole wins within KV_SLACK *and*
+    KV_SLACK_TOKENS of the other's max KV; beyond either, the least KV wins."""
+    one_cut = (False, 1000, 1, 1.0)
+    assert balanced._better((False, 1030, 0, 1.0), one_cut)  # 3%, 30 tokens: kept whole
+    assert not balanced._better((False, 1060, 0, 1.0), one_cut)  # 6%: beyond KV_SLACK
+    assert balanced._better(one_cut, (False, 1060, 0, 1.0))
+    many = (False, 100_000, 1, 1.0)
+    assert balanced._better((False, 100_256, 0, 1.0), many)
+    assert not balanced._better((False, 100_300, 0, 1.0), many)  # 0.3%, but 300 tokens: the cut wins
+    assert balanced._better(many, (False, 100_300, 0, 1.0))
     # Seeded: long #7 over 8 ranks kept two short documents whole at 0.947 of an all-gather; cutting
     # them reaches 0.913, its lower bound (0.034 of an all-gather saved).
     from doccp.plan.bound import kv_lower_bound
@@ -911,8 +914,7 @@ def test_packings_never_lose_a_plan_the_search_finds(monkeypatch):
         alone = plan(layout, n).stream_pieces
         whole = _whole(layout, n, Mask.causal())
         ours, theirs = (balanced._score(p, layout, n, Mask.causal(), whole)[0] for p in (with_packings, alone))
-        assert ours == theirs or balanced._better(ours, theirs, layout.num_tokens - layout.num_tokens // n), (
-            lengths, n, ours, theirs)
+        assert ours == theirs or balanced._better(ours, theirs), (lengths, n, ours, theirs)
 
 
 @pytest.mark.parametrize(("mix", "n", "index", "before"), [
@@ -1057,8 +1059,7 @@ def test_nested_plan_is_skipped_only_where_it_cannot_win(monkeypatch):
         full = balanced._nested_plan(layout, n, mask, whole, work, big)
         if balanced._nested_plan(layout, n, mask, whole, work, big, best=best) is None:
             skipped += 1
-            assert full is None or not balanced._better(full[1], best, layout.num_tokens - layout.num_tokens // n), (
-                mix, i, n, fill)
+            assert full is None or not balanced._better(full[1], best), (mix, i, n, fill)
         else:
             solved += 1
     assert skipped and solved  # both ways taken

@@ -31,7 +31,7 @@ optimum), and when neither balances, it is cut into chunks of a fraction of a ra
 density on their own (its cheap head trails with the light documents). A cut document that
 could have stayed whole is then *pinned* whole to one rank and the rest solved again. Of two
 plans, the one cutting fewer such documents wins while it receives at most :data:`KV_SLACK` more
-KV and at most :data:`KV_SLACK_ALLGATHER` of an all-gather more; beyond either, the least KV wins.
+KV and at most :data:`KV_SLACK_TOKENS` more; beyond either, the least KV wins.
 
 One sequence for all ranks pairs the documents at its front with those at its back on the same
 ranks; where big documents fill groups of ranks, that puts one's tail and another's head on one
@@ -117,11 +117,12 @@ ATTEMPTS = 2
 ATTEMPTS_FEW_CUTS = 16
 FEW_CUTS = 2
 #: Max KV a plan may give up to cut fewer documents that could stay whole: a share of its KV,
-#: and at most a share of an all-gather (a README-sized layout keeps its 300-token document whole
-#: for 3% more KV, 0.018 of an all-gather; at 131k tokens the cap takes plans that save more:
-#: long N = 8 0.947 -> 0.913, pareto N = 32 0.577 -> 0.554 of an all-gather, both their bounds).
+#: and at most this many tokens (a cut document costs a piece: a kernel fragment and a slice of
+#: the exchange, worth a few hundred tokens of KV). The README-sized layout keeps its 300-token
+#: document whole for 27 tokens (3%) more; at 131k tokens, 18 of 240 seeded layouts take plans
+#: that save more (0.002-0.019 of an all-gather), 4 more than a cap of 0.02 of an all-gather.
 KV_SLACK = 0.05
-KV_SLACK_ALLGATHER = 0.02
+KV_SLACK_TOKENS = 256
 #: Rounds of pinning cut documents that could stay whole to one rank and solving again.
 PIN_ROUNDS = 3
 #: Where a cut document that could stay whole is pinned, tried in turn: the rank holding most of
@@ -409,7 +410,7 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
                 if round_ == 0:
                     unpinned[chunks] = result
             pieces, score, cut = result
-            if best_score is None or _better(score, best_score, allgather):
+            if best_score is None or _better(score, best_score):
                 best, best_score = pieces, score
             if probe or not _pins_again(round_, score, cut) or _done(best_score, attempts):
                 break
@@ -423,7 +424,7 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
         solve_ahead(unsolved)
     for chunks in packings:
         result = solve(chunks, first_pins(chunks))
-        if result is not None and (best_score is None or _better(result[1], best_score, allgather)):
+        if result is not None and (best_score is None or _better(result[1], best_score)):
             best, best_score = result[0], result[1]
     # A few documents too big to stay whole, the KV above the goal: their nested parts, pinned.
     big = torch.nonzero(~whole & (lengths > 0)).flatten()
@@ -432,20 +433,20 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
         heaviest = big[torch.argsort(doc_work[big], descending=True, stable=True)].tolist()
         configs = len(NESTED_FILLS) * len(NESTED_MIRRORED) * (1 + len(PACK_HOSTED_RESERVE))
         result = _nested_plan(layout, n, mask, whole, doc_work, heaviest, at_once=ahead(configs, 1), best=best_score)
-        if result is not None and (best_score is None or _better(result[1], best_score, allgather)):
+        if result is not None and (best_score is None or _better(result[1], best_score)):
             best, best_score = result[0], result[1]
     # Two ranks, causal: one document's head and tail on one rank, its middle on the other, next
     # to the whole documents a local search picks (doccp.plan.two_ranks).
     causal = isinstance(mask, BandMask) and mask.is_causal
     if n == 2 and causal and (best_score is None or best_score[0] or best_score[1] > TWO_RANKS_KV * allgather):
         for result in scored(two_rank_plans(lengths, doc_work, whole, int(even_sizes(layout.num_tokens, n)[0]))):
-            if best_score is None or _better(result[1], best_score, allgather):
+            if best_score is None or _better(result[1], best_score):
                 best, best_score = result[0], result[1]
     # No balanced plan: tiny layouts (a few documents of a few tokens per rank) can defeat the
     # search's cuts, while head_tail balances every document on its own under a causal mask.
     if best_score is None or best_score[0]:
         result = scored([head_tail(layout, n, mask)])[0]
-        if best_score is None or _better(result[1], best_score, allgather):
+        if best_score is None or _better(result[1], best_score):
             best = result[0]
     return best
 
@@ -585,7 +586,7 @@ def _nested_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, doc
                                                               doc_work, [parts_of[i] for i in batch]) if p is not None]
     best = None
     for plan, (score, cut) in zip(plans, _scores(plans, layout, n, mask, whole), strict=True):
-        if best is None or _better(score, best[1], layout.num_tokens - layout.num_tokens // n):
+        if best is None or _better(score, best[1]):
             best = (plan, score, cut)
     return best
 
@@ -683,15 +684,15 @@ def _scores(plans: list[Pieces], layout: DocLayout, n: int, mask: Mask, whole: t
             zip(spread, kv.view(m, n).max(1).values.tolist(), cuts, torch.split(cut, sizes), strict=True)]
 
 
-def _better(score: tuple[bool, int, int, float], best: tuple[bool, int, int, float], allgather: int) -> bool:
+def _better(score: tuple[bool, int, int, float], best: tuple[bool, int, int, float]) -> bool:
     """Whether a plan scored ``score`` beats the best so far: lexicographic on :func:`_score`,
     except that a plan cutting fewer documents that could stay whole wins while its max KV is
-    within ``KV_SLACK`` of the other's and within ``KV_SLACK_ALLGATHER`` of an all-gather of
-    ``allgather`` tokens (short documents stay whole for a few % of KV, not for much traffic)."""
+    within ``KV_SLACK`` and ``KV_SLACK_TOKENS`` of the other's (short documents stay whole for a
+    few % of KV, not for much traffic)."""
     if score[0] != best[0]:
         return best[0]
     lo, hi = min(score[1], best[1]), max(score[1], best[1])
-    if score[2] != best[2] and lo * (1 + KV_SLACK) >= hi and hi - lo <= KV_SLACK_ALLGATHER * allgather:
+    if score[2] != best[2] and lo * (1 + KV_SLACK) >= hi and hi - lo <= KV_SLACK_TOKENS:
         return score[2] < best[2]
     return score < best
 
