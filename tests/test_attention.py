@@ -285,6 +285,32 @@ def test_attention_nested_plans(monkeypatch, world_size, lengths, mirrored):
     check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
 
 
+@pytest.mark.parametrize("world_size, lengths", [
+    (4, [3, 3, 1, 3, 147, 1, 0, 0, 0, 90]),
+    (5, [2, 114, 1, 1, 1, 1, 3, 21, 2, 170, 9]),
+    (3, [8, 200, 21, 196, 21, 0]),
+])
+def test_attention_nested_plans_of_the_heaviest_alone(monkeypatch, world_size, lengths):
+    """Plans that pin the nested parts of the heaviest of two documents too big to stay whole and
+    share out the other (the two do not fit nested on ranks of their own), odd and even N, with
+    zero-length and 1-token documents."""
+    import importlib
+    balanced = importlib.import_module("doccp.plan.balanced")
+    layout = DocLayout.from_lengths(lengths)
+    nested = max(doccp.plan(layout, world_size).stats().kv_recv)
+    every = balanced._nested_plan
+
+    def all_or_none(layout, n, mask, whole, work, docs, *args, **kwargs):
+        alone = len(docs) == 1 and int((~whole & (layout.lengths > 0)).sum()) > 1
+        return None if alone else every(layout, n, mask, whole, work, docs, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(balanced, "_nested_plan", all_or_none)
+        assert nested < max(doccp.plan(layout, world_size).stats().kv_recv)  # the plans under test
+    cases = [(lengths, "balanced", Mask.causal(), algorithm, i) for i, algorithm in enumerate(ALGORITHMS)]
+    check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
+
+
 @pytest.mark.parametrize("lengths", [[5, 8, 90, 31, 0, 20, 3, 90, 0, 2, 1, 8], [60, 0, 20, 0, 2, 60, 3, 1, 3]])
 def test_attention_two_rank_plans(monkeypatch, lengths):
     """Plans of the balanced planner's two-rank candidate (doccp.plan.two_ranks: one document's

@@ -1355,6 +1355,27 @@ def test_nested_parts_mirrored_keep_the_outermost_holder_off_the_cut_documents()
         assert plan(layout, 3).stats().max_kv_fraction == pytest.approx(0.1119, abs=0.0005)
 
 
+def test_nested_parts_of_the_heaviest_alone_where_all_do_not_fit():
+    """Long mix #1 over 4 ranks: two documents of 2.4 and 1.7 ranks' work, which do not fit nested
+    on ranks of their own (5 ranks' worth). The heaviest one's nested parts alone, the other shared
+    out around them by the sequence: 0.611 of an all-gather instead of 0.663, still balanced."""
+    layout = DocLayout.from_lengths(workloads.layouts("long", 131072, 8)[1])
+    mask, n = Mask.causal(), 4
+    whole, work = _whole(layout, n, mask), mask.row_work(0, layout.lengths, layout.lengths)
+    big = torch.nonzero(~whole & (layout.lengths > 0)).flatten()
+    heaviest = sorted(big.tolist(), key=lambda d: -int(work[d]))
+    assert len(heaviest) == 2 and balanced._nested_plan(layout, n, mask, whole, work, heaviest) is None
+    alone = balanced._nested_plan(layout, n, mask, whole, work, heaviest[:1])
+    s = plan(layout, n).stats()
+    assert s.imbalance <= 1.01 and max(s.tokens) - min(s.tokens) <= 1
+    assert max(s.kv_recv) == alone[1][1] and s.max_kv_fraction <= 0.612, s.max_kv_fraction
+    p = plan(layout, n).stream_pieces
+    assert len(set(p.rank[p.doc == heaviest[1]].tolist())) > 1  # the other one shared out, cut
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(balanced, "_nested_plan", lambda *args, **kwargs: None)
+        assert plan(layout, n).stats().max_kv_fraction == pytest.approx(0.6628, abs=0.0005)
+
+
 def test_nested_parts_of_several_documents_on_ranks_of_their_own():
     """Pareto mix, 32k tokens over 4 ranks: two documents too big to stay whole. Their nested parts
     pinned together, the heavier one's from rank 0 and the other's from the rank after its last (or
