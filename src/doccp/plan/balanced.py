@@ -63,7 +63,8 @@ never ends the search early: pinning passes may still find less KV). Where one d
 few) is too big to stay whole and the KV is still above the goal, its *nested* parts are tried
 last (:mod:`doccp.plan.nested`: each rank a head and a tail of what the ranks outside it left, the
 innermost the middle, sized so that no rank receives more than the least bound that fits; a few
-such documents each on ranks of their own), pinned from rank 0 or, mirrored, from rank N - 1, with
+such documents each on ranks of their own, or where they do not all fit, the heaviest one's alone),
+pinned from rank 0 or, mirrored, from rank N - 1, with
 the other documents shared out or packed around them (the same document: 49%). Where nothing
 balances (a few documents of a few tokens per rank can defeat every cut), the plan is
 head_tail's, which balances each document on its own under a causal mask. With two ranks
