@@ -214,9 +214,9 @@ def _from_bisection(lengths: list[int], n: int, mask: Mask, late: bool | None = 
 
 
 @pytest.mark.parametrize("world_size, lengths, masks, late", [
-    (3, [78, 1, 1, 71, 0], [Mask.causal(), Mask.chunked(16)], None),
+    (3, [1, 87, 74, 1, 0], [Mask.causal(), Mask.chunked(16)], None),
     (5, [53, 58, 1, 0, 1, 0, 62], [Mask.causal(), Mask.sliding_window(4, 3)], None),
-    (3, [0, 79, 5, 5, 5, 2, 2, 8, 78, 3], [Mask.causal()], True),
+    (3, [5, 0, 5, 72, 8, 87, 3, 3, 5, 1], [Mask.causal()], True),
     (5, [78, 0, 77, 2, 77, 2, 1], [Mask.chunked(16)], True),
 ])
 def test_attention_bisection_plans(world_size, lengths, masks, late):
