@@ -962,9 +962,11 @@ def test_balanced_tries_the_head_shares_that_even_out_the_receivers(monkeypatch)
 @settings(max_examples=120, deadline=None)
 @given(st.integers(1, 5000), st.lists(st.integers(1, 4000), min_size=2, max_size=8), st.floats(1.0, 1.5),
        st.floats(0.0, 200.0))
+@example(16, [1, 1, 1, 2, 2, 3, 6, 4], 1.5, 7.0)  # rank 7 holds none of it: 4 tokens of fill are over the cap
 def test_nested_parts_keep_every_bound_they_promise(length, rank_tokens, cap_share, fill):
     """The nested parts tile the document, each rank's enclose the next ones', and every rank holds
-    at most its tokens and, filled up at the fill density, at most the cap of work."""
+    at most its tokens and, filled up at the fill density, at most the cap of work (the ranks
+    inside the innermost one too)."""
     from doccp.plan.nested import nested_parts
     mask, tokens = Mask.causal(), torch.tensor(rank_tokens)
     cap = cap_share * float(mask.row_work(0, length, length)) / len(rank_tokens)

@@ -88,7 +88,8 @@ class _Greedy:
         lo, hi = torch.zeros_like(bounds), torch.full_like(bounds, length)
         done, stuck = (torch.zeros(bounds.numel(), dtype=torch.bool) for _ in range(2))
         columns = []  # per rank: head [start, end) and tail [start, end) under every bound
-        for tokens in rank_tokens.tolist():
+        innermost = torch.zeros_like(bounds)  # per bound, the rank that takes the middle
+        for r, tokens in enumerate(rank_tokens.tolist()):
             live = ~done & ~stuck
             if not bool(live.any()):
                 break
@@ -100,8 +101,11 @@ class _Greedy:
             head_end, tail_start = torch.where(take, lo + a, lo), torch.where(take, hi - t, hi)
             columns.append(torch.stack([lo, torch.where(last, hi, head_end), tail_start, hi]))
             done |= last
+            innermost = torch.where(last, r, innermost)
             lo, hi = head_end, tail_start
-        self.fits = done
+        # The ranks inside the innermost one hold none of the document: filled up, each within the cap.
+        inside = torch.cat([torch.cummax(rank_tokens.flip(0), 0).values.flip(0)[1:], rank_tokens.new_zeros(1)])
+        self.fits = done & (fills * inside[innermost].double() <= cap)
         self.columns = torch.stack(columns)  # [ranks, 4, bounds]
 
     def parts(self, i: int, doc: int) -> Pieces:
