@@ -21,7 +21,12 @@ tokens and ``Wf(x) + W - Wf(y)`` work, where ``Wf`` is the work of a prefix of t
 ranks' share, so ``y = x + T - K_r`` and ``x`` solves one scalar equation, independently for
 every r: a vectorised bisection, O(N log T) host work after one sort of the documents. Each
 cut then snaps to a document boundary where the work allows, moving the other cut by as many
-tokens (documents that can stay whole stay whole), and the cuts are made monotone.
+tokens (documents that can stay whole stay whole), and the cuts are made monotone. (The held
+work need not grow with ``x``: a big document's cheap head can be lighter than what follows it,
+so a rank's root may lie behind the previous rank's cut. Such cuts are solved again, a run of
+offenders at a time, in the window the previous cut leaves, or the previous rank moves to
+another of its roots: 4096 tokens per rank of the lognormal mix then plan in 20-70 ms, where
+the recursive bisection below had to step in at 4-5x that.)
 
 A document too big for one rank is one unit of the sequence at first (its parts land on
 adjacent ranks); it is also tried with its head moved to the back of the sequence, where the
@@ -137,8 +142,11 @@ SOLVE_LEVELS = 4
 SOLVE_POINTS = 1024
 #: Chunks on either side of a cut whose boundaries the cut may snap to.
 SNAP_REACH = 2
-#: Rounds of re-solving cuts that overtook their neighbour before clamping them.
-MONOTONE_ROUNDS = 4
+#: Rounds of re-solving cuts that overtook their neighbour before clamping them (each settles the
+#: first offender of every run: 4M tokens over 1024 ranks has runs of up to 9-16).
+MONOTONE_ROUNDS = 16
+#: Cuts a repair of :func:`_monotone` samples in its window before it bisects.
+REPAIR_GRID = 32
 #: Chunks per rank's tokens that a document too big to stay whole is cut into before sorting,
 #: tried in turn: 0 keeps it one chunk (its parts land on adjacent ranks: least KV); finer
 #: chunks sort the sequence closer to token cost (balance when big documents dominate). Those that
@@ -758,13 +766,14 @@ def _sequence_plans(layout: DocLayout, n: int, mask: Mask, configs: list[tuple[C
     k = torch.cumsum(tokens, 1)[:, :-1].flatten()  # per plan, tokens of ranks 0..r, r < N - 1
     goal = torch.cumsum(need, 1)[:, :-1].flatten()
     g = torch.arange(m).repeat_interleave(n - 1) if m > 1 else None  # one plan: the whole sequence
-    x = seq.solve(k, goal, torch.zeros_like(k), k.clone(), g)
+    # Roots made monotone first (a cut solved again lands anywhere: snapping then moves it too).
+    x = _monotone(seq, seq.solve(k, goal, torch.zeros_like(k), k.clone(), g), k, goal, g)
     # Snapping moves cuts within the slack, but may push one past its neighbour; then the
     # unsnapped cuts are kept (per plan).
     snapped = _monotone(seq, seq.snap(x, k, goal, SNAP_SLACK * mean, g), k, goal, g)
     keep = _excess(seq, snapped, k, need, g) <= SNAP_BUDGET * mean
     if not bool(keep.all()):
-        snapped = torch.where(keep.repeat_interleave(n - 1), snapped, _monotone(seq, x, k, goal, g))
+        snapped = torch.where(keep.repeat_interleave(n - 1), snapped, x)
     x, k = snapped.view(m, n - 1), k.view(m, n - 1)
     total = seq.group_bounds(None)[1][:, None]
     y = x + total - k
@@ -1006,26 +1015,74 @@ def _monotone(seq: Sequence, x: torch.Tensor, k: torch.Tensor, goal: torch.Tenso
               ) -> torch.Tensor:
     """Cuts whose front and back runs all have non-negative length (``x`` and ``k - x`` never
     decrease within a plan ``g``, None: one; rows of the same number of ranks per plan). The held work need
-    not grow with ``x``, so the bisection may pick a root behind the previous rank's; those ranks
-    solve again inside the window the previous cut leaves, a few rounds (each settles at least
-    the first offender), then whatever is left is clamped (a plan that loses its balance that way
-    scores as unbalanced and another one is kept)."""
+    not grow with ``x``, so the bisection may pick a root behind the previous rank's cut (or too
+    far ahead of it). The first of each run of such offenders is solved again, in rounds: either
+    inside the window the previous cut leaves it, or, where its own root is kept, the previous
+    rank inside the window between its predecessor's cut and that root (the previous rank has
+    roots of its own to choose from), whichever holds its work closer to the goal; each window
+    is searched on a grid for a crossing first (:func:`_solve_within`). Whatever is left after
+    :data:`MONOTONE_ROUNDS` is clamped (a plan that loses its balance that way scores as
+    unbalanced and another one is kept)."""
     plans = 1 if g is None else int(g[-1]) + 1
     kk = k.view(plans, -1)
     tokens = torch.diff(kk, dim=1, prepend=kk.new_zeros(plans, 1)).flatten()
+    rank = torch.arange(k.numel()) % kk.shape[1]
     for _ in range(MONOTONE_ROUNDS):
         xx = x.view(plans, -1)
         lo = torch.cat([xx.new_zeros(plans, 1), xx[:, :-1]], 1).flatten()
         bad = (x < lo) | (x > lo + tokens)
         if not bool(bad.any()):
             return x
-        x = torch.where(bad, seq.solve(k, goal, lo, lo + tokens, g), x)
+        # Only the first of consecutive offenders: the window of the next one moves with its cut.
+        first = bad.view(plans, -1).clone()
+        first[:, 1:] &= ~bad.view(plans, -1)[:, :-1]
+        at = torch.nonzero(first.flatten()).flatten()
+        ahead, ahead_err = _solve_within(seq, k, goal, _at(lo, at), _at(lo + tokens, at), g, at)
+        # Or the previous rank moves: between its predecessor's window and this root.
+        back = _at(at, torch.nonzero(_at(rank, at) > 0).flatten())
+        prev = back - 1
+        before = _at(lo, prev)  # rank 0's window starts at 0
+        b_lo = torch.maximum(before, _at(x, back) - _at(tokens, back))
+        b_hi = torch.minimum(before + _at(tokens, prev), _at(x, back))
+        fits = torch.nonzero(b_lo <= b_hi).flatten()
+        back, prev = _at(back, fits), _at(prev, fits)
+        moved, moved_err = _solve_within(seq, k, goal, _at(b_lo, fits), _at(b_hi, fits), g, prev)
+        own_err = (seq.held(_at(x, back), _at(k, back), None if g is None else _at(g, back)) - _at(goal, back)).abs()
+        # per offender: its own cut solved again ahead, or kept with the previous rank's moved
+        where = torch.searchsorted(at, back)
+        use = torch.nonzero(torch.maximum(moved_err, own_err) < _at(ahead_err, where)).flatten()
+        kept, old = _at(back, use), x
+        x = old.index_copy(0, at, ahead).index_copy(0, kept, _at(old, kept))
+        x = x.index_copy(0, _at(prev, use), _at(moved, use))
     # Within each plan (the clamps leave a plan without offenders as it is):
     xx = torch.cummax(x.view(plans, -1), 1).values
     xx = torch.cummin(xx - kk, 1).values + kk
     # The two clamps can undo each other; runs of length in [0, tokens] by construction:
     steps = torch.diff(xx, dim=1, prepend=xx.new_zeros(plans, 1)).clamp(min=0).minimum(tokens.view(plans, -1))
     return torch.cumsum(steps, 1).flatten()
+
+
+def _solve_within(seq: Sequence, k: torch.Tensor, goal: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                  g: torch.Tensor | None, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Front cuts of ``rows`` (of ``k``, ``goal``, ``g``) inside ``[lo, hi]``, and how far their
+    held work is from the goal. Inside a window the held work may rise and fall, so the bisection
+    starts from the first step of a grid of :data:`REPAIR_GRID` cuts that crosses the goal (or,
+    where none does, from the grid's closest cut)."""
+    if rows.numel() == 0:
+        return lo, goal.new_zeros(0)
+    k, goal, g = _at(k, rows), _at(goal, rows), None if g is None else _at(g, rows)
+    steps = torch.arange(REPAIR_GRID + 1)
+    at = lo[:, None] + (hi - lo)[:, None] * steps // REPAIR_GRID  # [rows, grid + 1], lo and hi included
+    wide = at.shape[1]
+    held = seq.held(at.flatten(), k.repeat_interleave(wide), None if g is None else g.repeat_interleave(wide))
+    off = held.view(at.shape) - goal[:, None]
+    crossing = (off[:, :-1] < 0) & (off[:, 1:] >= 0)
+    step = torch.where(crossing.any(1), crossing.to(torch.int8).argmax(1), -1)
+    closest = off.abs().argmin(1)
+    a = at.gather(1, torch.where(step >= 0, step, closest)[:, None]).squeeze(1)
+    b = torch.where(step >= 0, at.gather(1, (step + 1).clamp(max=wide - 1)[:, None]).squeeze(1), a)
+    x = seq.solve(k, goal, a, b, g)
+    return x, (seq.held(x, k, g) - goal).abs()
 
 
 def _chunks(lengths: torch.Tensor, rank_tokens: int, whole: torch.Tensor, chunking: Chunking
@@ -1149,9 +1206,9 @@ class Sequence:
         tokens in all): the rest from the back, or with ``u``, the *window* ``[u, u + k - x)``."""
         base, tokens, work0, work1 = self._bounds(g)
         if u is None:
-            front, back = self.prefix_work(torch.cat([base + x, base + x + tokens - k])).split(x.numel())
+            front, back = self.prefix_work(torch.cat([base + x, base + x + tokens - k])).view(2, -1)
             return front - work0 + work1 - back
-        front, lo, hi = self.prefix_work(torch.cat([base + x, base + u, base + u + k - x])).split(x.numel())
+        front, lo, hi = self.prefix_work(torch.cat([base + x, base + u, base + u + k - x])).view(3, -1)
         return front - work0 + hi - lo
 
     def solve(self, k: torch.Tensor, goal: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
