@@ -188,6 +188,27 @@ def test_exchange_is_the_minimal_kv_exchange(case):
     assert ex.tokens_received(p.world_size).tolist() == [sum(t[0] == r for t in needed) for r in range(p.world_size)]
 
 
+@SETTINGS
+@given(cases())
+def test_allgather_sends_every_rank_exactly_its_exchange_rows(case):
+    """Each rank's all-gather send rows are its rows of the minimal exchange, per peer in (doc,
+    start) order: under a causal mask from the ranks holding later parts of each document
+    (:func:`~doccp.plan.exchange.prefix_receivers`), under the others from every rank's visible keys."""
+    from doccp.algorithms.registry import schedule_of
+    _, p = make(case)
+    ex = p.exchange
+    for src in range(p.world_size):
+        row_of = {int(g): row for row, g in enumerate(p.indices(src).tolist())}
+        sched = schedule_of("allgather", p, src)
+        for dst in range(p.world_size):
+            rows = ex.select((ex.src == src) & (ex.dst == dst))
+            spans = zip(rows.doc.tolist(), rows.start.tolist(), rows.end.tolist(), strict=True)
+            expected = [row_of[int(p.layout.cu_seqlens[d]) + k] for d, a, b in spans for k in range(a, b)]
+            assert sched.send_rows[dst].tolist() == expected, (src, dst)
+    if case[2] in (Mask.causal(), Mask.full()):  # the path each takes
+        assert p.causal_like == (case[2] == Mask.causal())
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the peak RSS from /proc")
 def test_planning_memory_does_not_grow_with_document_length():
     """Planning and stats are O(documents + pieces) in memory, not O(tokens of the largest

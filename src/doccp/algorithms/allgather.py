@@ -23,7 +23,7 @@ from doccp.algorithms.work import take_rows
 from doccp.kernels.runs import Runs
 from doccp.kernels.slices import Slices
 from doccp.plan import Plan
-from doccp.plan.exchange import document_overlaps, overlaps
+from doccp.plan.exchange import document_overlaps, overlaps, prefix_receivers
 from doccp.ranges import expand, offsets_within, starts, take
 
 
@@ -57,11 +57,18 @@ class AllGather(Algorithm):
         row.scatter_(0, own, take(geo.local_row, piece) + (own_g0 - take(geo.local_g0, piece)))
         arrange = expand(row, length)
         # Send: every other rank's visible keys cut at my pieces, ordered by (peer, doc, start).
-        seen = plan.seen  # rank order: mine are one run of it
-        mine = slice(*torch.searchsorted(seen.rank, torch.tensor([me, me + 1])).tolist())
-        i, j, lo, hi = document_overlaps(seen.doc, seen.start, seen.end, geo.local, plan.layout.num_docs, skip=mine)
-        dst, length = take(seen.rank, i), hi - lo
-        rows = expand(take(geo.local_row, j) + (lo - take(geo.local.start, j)), length)
+        # Under a causal mask whole pieces go to the ranks holding later parts of their document.
+        if plan.causal_like:
+            j, dst = prefix_receivers(plan.stream_pieces, plan.last_pieces, plan.stream_index(me), me, n)
+            length = take(geo.local.length, j)
+            rows = expand(take(geo.local_row, j), length)
+        else:
+            seen = plan.seen  # rank order: mine are one run of it
+            mine = slice(*torch.searchsorted(seen.rank, torch.tensor([me, me + 1])).tolist())
+            i, j, lo, hi = document_overlaps(seen.doc, seen.start, seen.end, geo.local, plan.layout.num_docs,
+                                             skip=mine)
+            dst, length = take(seen.rank, i), hi - lo
+            rows = expand(take(geo.local_row, j) + (lo - take(geo.local.start, j)), length)
         send_sizes = torch.zeros(n, dtype=torch.int64).index_add_(0, dst, length)
         send_rows = list(torch.split(rows, send_sizes.tolist()))
         arranged = Runs.laid_out(geo.seen.doc, geo.seen.start, geo.seen.length)

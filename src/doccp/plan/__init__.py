@@ -21,7 +21,7 @@ import torch
 from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan.balanced import balanced
-from doccp.plan.exchange import Intervals, kv_exchange, visible_intervals
+from doccp.plan.exchange import Intervals, group_ends, kv_exchange, sees_from_key_zero, visible_intervals
 from doccp.plan.head_tail import head_tail
 from doccp.plan.pieces import Pieces, cut_stream, even_sizes
 from doccp.ranges import any_true, expand, repeat, stable_order, starts, take
@@ -181,6 +181,28 @@ class Plan:
     @cached_property
     def _rank_order(self) -> torch.Tensor:
         return stable_order(self.stream_pieces.rank, self.world_size)
+
+    def stream_index(self, rank: int) -> torch.Tensor:
+        """Stream indices of the pieces of ``rank``, ascending (its pieces in (doc, start) order):
+        a slice of the rank order."""
+        self.check_rank(rank)
+        return self._rank_order[self._rank_bounds[rank]:self._rank_bounds[rank + 1]]
+
+    @cached_property
+    def causal_like(self) -> bool:
+        """Whether every query sees its document from key 0 up to itself and no later key (the
+        causal mask): then a rank sees a document up to the end of its last piece there."""
+        lengths = self.layout.lengths
+        last_query = max(int(lengths.max()) - 1, 0) if lengths.numel() else 0
+        return not self.mask.looks_ahead and sees_from_key_zero(self.mask, last_query)
+
+    @cached_property
+    def last_pieces(self) -> torch.Tensor:
+        """Stream indices of every (rank, doc) group's last piece, ascending (under a causal mask
+        a rank sees a document up to the end of its last piece there: :attr:`causal_like`)."""
+        last = torch.zeros(len(self.stream_pieces), dtype=torch.bool)
+        last.index_fill_(0, group_ends(self.stream_pieces, self._rank_order), True)
+        return torch.nonzero(last).squeeze(1)
 
     def rank_offsets(self, sizes: torch.Tensor) -> torch.Tensor:
         """Where entries sit in per-rank buffers: ``sizes`` holds ``k`` entries per stream piece

@@ -56,23 +56,55 @@ def visible_intervals(pieces: Pieces, lengths: torch.Tensor, mask: Mask, order: 
     interval mask, so the last query tells), they all overlap and a group's union is ``[0, hi)``
     of its last piece: one filter for the groups' last pieces, and only those are gathered in
     order (the plan's hot path)."""
-    last_query = int(pieces.start.max()) if len(pieces) else 0
-    if int(mask.visible_keys(last_query, last_query + 1, last_query + 1)[0]) != 0:
+    if not sees_from_key_zero(mask, int(pieces.start.max()) if len(pieces) else 0):
         p = pieces.select(order) if order is not None else pieces
         lo, hi = mask.visible_keys(p.start, p.end, take(lengths, p.doc))
         return Pieces(p.rank, p.doc, lo, hi).normalized_union()
-    # A group ends where the document changes or at a rank's last piece (ranks ascend in this
-    # order: their ends are one bincount away, no gather of the rank column).
+    index = group_ends(pieces, order)
+    rank, doc = take(pieces.rank, index), take(pieces.doc, index)
+    hi = mask.visible_keys(take(pieces.start, index), take(pieces.end, index), take(lengths, doc))[1]
+    seen = Pieces(rank, doc, torch.zeros_like(hi), hi)
+    return seen.select(hi > 0)  # empty pieces see nothing
+
+
+def sees_from_key_zero(mask: Mask, last_query: int) -> bool:
+    """Whether every query up to ``last_query`` sees its document from key 0 (causal and full
+    masks; the mask is a monotone interval mask, so the last query tells)."""
+    return int(mask.visible_keys(last_query, last_query + 1, last_query + 1)[0]) == 0
+
+
+def group_ends(pieces: Pieces, order: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices into ``pieces`` of every (rank, doc) group's last piece, in (rank, doc) order;
+    ``pieces`` ordered by (rank, doc, start), or ``order`` the permutation that orders them. A
+    group ends where the document changes or at a rank's last piece (ranks ascend in this order:
+    their ends are one bincount away, no gather of the rank column)."""
     doc = take(pieces.doc, order)
     last = torch.ones(len(pieces), dtype=torch.bool)
     torch.ne(doc[1:], doc[:-1], out=last[:-1])
     last.index_fill_(0, torch.cumsum(torch.bincount(pieces.rank), 0) - 1, True)
     index = torch.nonzero(last).squeeze(1)
-    index = take(order, index) if order is not None else index
-    rank, doc = take(pieces.rank, index), take(pieces.doc, index)
-    hi = mask.visible_keys(take(pieces.start, index), take(pieces.end, index), take(lengths, doc))[1]
-    seen = Pieces(rank, doc, torch.zeros_like(hi), hi)
-    return seen.select(hi > 0)  # empty pieces see nothing
+    return take(order, index) if order is not None else index
+
+
+def prefix_receivers(stream: Pieces, last: torch.Tensor, mine: torch.Tensor, me: int, world_size: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Who receives rank ``me``'s pieces where a rank sees a document's keys from key 0 to the end
+    of its last piece there (a causal mask): ``(i, dst)`` pairs, ``i`` into ``mine`` (``me``'s
+    pieces as ascending stream indices), ordered by (dst, i). A piece goes whole to every other
+    rank whose last piece of the document lies later in the stream (``last``: ascending stream
+    indices of every (rank, doc) group's last piece), each rank once. O(my pieces log + pairs),
+    where intersecting every rank's visible keys with my pieces is O(plan) (:func:`document_overlaps`,
+    every other mask)."""
+    doc_end = torch.searchsorted(stream.doc, take(stream.doc, mine), right=True)  # past the document's pieces
+    first = torch.searchsorted(last, mine, right=True)
+    count = torch.searchsorted(last, doc_end) - first
+    total = int(count.sum())
+    i = repeat(torch.arange(mine.numel()), count, total)
+    dst = take(stream.rank, take(last, expand(first, count)))
+    keep = index_of(dst != me)
+    i, dst = take(i, keep), take(dst, keep)
+    order = stable_order(dst, world_size)
+    return take(i, order), take(dst, order)
 
 
 def overlaps(lo: torch.Tensor, hi: torch.Tensor, table_lo: torch.Tensor, table_hi: torch.Tensor
