@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from doccp import DocLayout, Mask, plan
 from doccp.app import workloads
-from doccp.plan import STRATEGIES, TILE
+from doccp.plan import STRATEGIES, TILE, Plan
 
 SETTINGS = settings(max_examples=200, deadline=None)
 
@@ -207,6 +207,30 @@ def test_allgather_sends_every_rank_exactly_its_exchange_rows(case):
             assert sched.send_rows[dst].tolist() == expected, (src, dst)
     if case[2] in (Mask.causal(), Mask.full()):  # the path each takes
         assert p.causal_like == (case[2] == Mask.causal())
+
+
+@SETTINGS
+@given(cases())
+def test_ring_schedule_under_a_causal_mask_matches_the_general_path(case):
+    """Under a causal mask (:attr:`~doccp.plan.Plan.causal_like`) the ring's blocks are every
+    piece but each document's last, whole, and no slice needs its rows trimmed: the same blocks,
+    block rows and slices, step by step, as the path every other mask takes."""
+    from doccp.algorithms import ring_kv
+    from doccp.algorithms.registry import schedule_of
+    from doccp.kernels.slices import FIELDS
+    lengths, n, _, strategy = case
+    layout = DocLayout.from_lengths(lengths)
+    fast = plan(layout, n, Mask.causal(), strategy)
+    general = Plan(layout, n, Mask.causal(), strategy, fast.stream_pieces)
+    general.__dict__["causal_like"] = False  # (a cached property) the path of every other mask
+    assert fast.causal_like
+    for a, b in zip(ring_kv.ring_blocks(fast), ring_kv.ring_blocks(general), strict=True):
+        assert torch.equal(a, b)
+    for r in range(n):
+        got, want = schedule_of("ring_kv", fast, r), schedule_of("ring_kv", general, r)
+        assert torch.equal(got.own_block_rows, want.own_block_rows) and got.block_sizes == want.block_sizes
+        for t, (a, b) in enumerate(zip(got.step_slices, want.step_slices, strict=True)):
+            assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in FIELDS), (r, t)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the peak RSS from /proc")
@@ -1138,7 +1162,7 @@ def test_bisection_plan_partitions_the_stream(case):
     """The recursive bisection planner on any layout (zero-length and 1-token documents, T < N,
     one document), every variant (head shares, windows, late heads) solved in one pass: each
     plan's pieces tile the stream, tokens per rank within one."""
-    from doccp.plan import Plan, _partitions
+    from doccp.plan import _partitions
     lengths, n, mask = case
     layout = DocLayout.from_lengths(lengths)
     if layout.num_tokens == 0:

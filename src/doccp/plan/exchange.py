@@ -101,10 +101,10 @@ def prefix_receivers(stream: Pieces, last: torch.Tensor, mine: torch.Tensor, me:
     total = int(count.sum())
     i = repeat(torch.arange(mine.numel()), count, total)
     dst = take(stream.rank, take(last, expand(first, count)))
-    keep = index_of(dst != me)
-    i, dst = take(i, keep), take(dst, keep)
     order = stable_order(dst, world_size)
-    return take(i, order), take(dst, order)
+    i, dst = take(i, order), take(dst, order)
+    a, b = torch.searchsorted(dst, torch.tensor([me, me + 1])).tolist()  # my own later pieces: one run
+    return (i, dst) if a == b else (torch.cat([i[:a], i[b:]]), torch.cat([dst[:a], dst[b:]]))
 
 
 def overlaps(lo: torch.Tensor, hi: torch.Tensor, table_lo: torch.Tensor, table_hi: torch.Tensor
