@@ -70,16 +70,15 @@ _SORT_TYPES = ((2**8, torch.uint8), (2**15, torch.int16), (2**31, torch.int32), 
 def offsets_within(group: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
     """For each entry, the total ``length`` of the earlier entries (in the given order) of the
     same ``group`` (non-negative ids): where it starts in its group's buffer when every group is
-    packed in order. One stable sort by group and one cumsum."""
+    packed in order. One stable sort by group and one cumsum: an entry's offset in the groups laid
+    out back to back, less where its group starts there (from the groups' totals)."""
     if group.numel() == 0:
         return torch.zeros(0, dtype=torch.int64)
-    order = stable_order(group)
-    g, n = take(group, order), take(length, order)
-    before = starts(n)
-    first = torch.ones_like(g, dtype=torch.bool)
-    first[1:] = g[1:] != g[:-1]
-    start = torch.cummax(torch.where(first, torch.arange(g.numel()), 0), 0).values
-    return torch.empty_like(before).scatter_(0, order, before - take(before, start))
+    bound = int(group.max()) + 1
+    order = stable_order(group, bound)
+    before = starts(take(length, order))
+    first = starts(torch.zeros(bound, dtype=torch.int64).index_add_(0, group, length))
+    return torch.empty_like(before).scatter_(0, order, before).sub_(take(first, group))
 
 
 def all_true(mask: torch.Tensor) -> bool:
