@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from doccp import DocLayout, Mask, plan
 from doccp.app import workloads
-from doccp.plan import STRATEGIES, TILE, Plan
+from doccp.plan import STRATEGIES, TILE, Pieces, Plan
 
 SETTINGS = settings(max_examples=200, deadline=None)
 
@@ -213,8 +213,9 @@ def test_allgather_sends_every_rank_exactly_its_exchange_rows(case):
 @given(cases())
 def test_ring_schedule_under_a_causal_mask_matches_the_general_path(case):
     """Under a causal mask (:attr:`~doccp.plan.Plan.causal_like`) the ring's blocks are every
-    piece but each document's last, whole, and no slice needs its rows trimmed: the same blocks,
-    block rows and slices, step by step, as the path every other mask takes."""
+    piece but each document's last, whole, laid out in rank order, and no slice needs its rows
+    trimmed: the same blocks, block rows and slices, step by step (in another order within a
+    step), as the path every other mask takes."""
     from doccp.algorithms import ring_kv
     from doccp.algorithms.registry import schedule_of
     from doccp.kernels.slices import FIELDS
@@ -224,13 +225,20 @@ def test_ring_schedule_under_a_causal_mask_matches_the_general_path(case):
     general = Plan(layout, n, Mask.causal(), strategy, fast.stream_pieces)
     general.__dict__["causal_like"] = False  # (a cached property) the path of every other mask
     assert fast.causal_like
-    for a, b in zip(ring_kv.ring_blocks(fast), ring_kv.ring_blocks(general), strict=True):
-        assert torch.equal(a, b)
+    causal, every = ring_kv.ring_blocks(fast), ring_kv.ring_blocks(general)
+    assert isinstance(causal, ring_kv.CausalBlocks) and isinstance(every, ring_kv.RingBlocks)
+    g0 = layout.cu_seqlens[causal.doc] + causal.start
+    owner = torch.repeat_interleave(torch.arange(n), causal.counts)
+    assert torch.equal(owner, fast.stream_pieces.rank[causal.index])
+    blocks = sorted(zip(owner.tolist(), g0.tolist(), (g0 + causal.length).tolist(), causal.row.tolist(), strict=True))
+    assert blocks == sorted(zip(*(x.tolist() for x in every[:4]), strict=True))
+    assert torch.equal(causal.sizes, every.sizes)
     for r in range(n):
         got, want = schedule_of("ring_kv", fast, r), schedule_of("ring_kv", general, r)
         assert torch.equal(got.own_block_rows, want.own_block_rows) and got.block_sizes == want.block_sizes
         for t, (a, b) in enumerate(zip(got.step_slices, want.step_slices, strict=True)):
-            assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in FIELDS), (r, t)
+            assert sorted(a.rows()) == sorted(b.rows()), (r, t)
+            assert len(a) == len(b) and all(getattr(a, f).dtype == torch.int64 for f in FIELDS)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the peak RSS from /proc")
@@ -262,6 +270,28 @@ def test_tile_counts_in_bounded_batches_match_one_pass(monkeypatch, batch):
     whole = [p.stats().tile_work for p in plans]
     monkeypatch.setattr(plan_module, "TILE_BATCH", batch)
     assert [p.stats().tile_work for p in plans] == whole
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 7])
+def test_plans_built_a_few_entries_at_a_time_match_one_pass(monkeypatch, batch):
+    """head_tail's pieces, the stream offsets and the partition check run a bounded span of the
+    tables at a time (:data:`doccp.ranges.BATCH`); spans that end inside a document, or between
+    two pieces the check compares, must change nothing, and the check must still catch a bad table."""
+    ranges = importlib.import_module("doccp.ranges")
+    plan_module = importlib.import_module("doccp.plan")
+    layouts = [DocLayout.from_lengths(lengths) for lengths in
+               ([0, 1, 5, 0, 2, 40, 3, 1], [97], workloads.layout("sft", 4096, 1) + [0, 1])]
+    cases = [(layout, n, s) for layout in layouts for n in (1, 3, 8) for s in STRATEGIES]
+    whole = [plan(layout, n, Mask.causal(), s) for layout, n, s in cases]
+    monkeypatch.setattr(ranges, "BATCH", batch)
+    for p, (layout, n, s) in zip(whole, cases, strict=True):
+        q = plan(layout, n, Mask.causal(), s)
+        columns = [(getattr(p.stream_pieces, f), getattr(q.stream_pieces, f)) for f in ("rank", "doc", "start", "end")]
+        assert all(torch.equal(a, b) for a, b in [*columns, *zip(p.stream_bounds, q.stream_bounds, strict=True)])
+    # two touching pieces of one document on one rank, on either side of every span boundary
+    layout = DocLayout.from_lengths([6, 4])
+    split = Plan(layout, 2, Mask.causal(), "test", Pieces.of([0, 1, 1, 0], [0, 0, 0, 1], [0, 2, 4, 0], [2, 4, 6, 4]))
+    assert plan_module._partitions(split) and not plan_module._partitions(split, normalized=True)
 
 
 @SETTINGS
@@ -1147,10 +1177,13 @@ def test_balanced_fills_a_big_document_with_a_window():
     ([0, 1], [0, 1], [0, 1], [6, 3]),  # a piece past its document's end (the totals still add up)
     ([0, 1, 1], [0, 1, 1], [0, -1, 2], [4, 2, 3]),  # a piece reaching back into the previous document
 ], ids=["gap", "overlap", "past-end", "before-start"])
-def test_plan_refuses_pieces_that_do_not_tile_the_stream(monkeypatch, pieces):
+@pytest.mark.parametrize("batch", [1, 2, None])
+def test_plan_refuses_pieces_that_do_not_tile_the_stream(monkeypatch, pieces, batch):
     """The partition guard of :func:`plan` (stream offsets shared with the schedules) turns a
-    strategy bug into an error instead of a plan that drops or doubles tokens."""
-    from doccp.plan.pieces import Pieces
+    strategy bug into an error instead of a plan that drops or doubles tokens, however small the
+    spans it checks at a time."""
+    if batch:
+        monkeypatch.setattr(importlib.import_module("doccp.ranges"), "BATCH", batch)
     monkeypatch.setitem(STRATEGIES, "head_tail", lambda layout, n, mask: Pieces.of(*pieces))
     with pytest.raises(RuntimeError, match="did not partition the stream"):
         plan(DocLayout.from_lengths([5, 3]), 2, Mask.causal(), "head_tail")

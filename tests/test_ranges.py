@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from doccp.plan.exchange import document_overlaps, overlaps
 from doccp.plan.pieces import Pieces
-from doccp.ranges import all_true, any_true, expand, offsets_within, repeat, stable_order
+from doccp.ranges import all_true, any_true, batches, expand, offsets_within, repeat, run_entries, spans, stable_order
 
 SETTINGS = settings(max_examples=200, deadline=None)
 RUNS = st.lists(st.tuples(st.integers(-100, 100), st.integers(0, 4), st.integers(-3, 3)), max_size=10)
@@ -32,6 +32,31 @@ def test_expand_is_concatenated_ranges(runs):
     want = [a + s * i for a, c, s in runs for i in range(c)]
     assert expand(first, counts, step).tolist() == want
     assert expand(first, counts).tolist() == [a + i for a, c, _ in runs for i in range(c)]
+
+
+@SETTINGS
+@given(RUNS)
+def test_run_entries_number_every_run_entry_by_entry(runs):
+    first, counts, _ = columns(runs)
+    run, value, offsets = run_entries(first, counts)
+    assert run.tolist() == [g for g, (_, c, _) in enumerate(runs) for _ in range(c)]
+    assert value.tolist() == expand(first, counts).tolist()
+    assert offsets.tolist() == [sum(c for _, c, _ in runs[:g]) for g in range(len(runs) + 1)]
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 9), max_size=20), st.integers(1, 12))
+def test_batches_cover_the_groups_in_order_a_few_entries_at_a_time(counts, size):
+    """Batches are consecutive whole groups (never split) with their entries, and each ends at
+    the last group boundary at or before a multiple of ``size``; spans cut ``[0, total)`` evenly."""
+    got = batches(torch.tensor(counts, dtype=torch.int64), size)
+    ends = [sum(counts[:g]) for g in range(len(counts) + 1)]
+    assert [g for g0, g1, _, _ in got for g in range(g0, g1)] == list(range(len(counts)))
+    assert all(g0 < g1 and (e0, e1) == (ends[g0], ends[g1]) for g0, g1, e0, e1 in got)
+    for _, g1, _, e1 in got[:-1]:  # a cut: the last boundary at or before some multiple of size
+        assert any(e1 <= k * size < ends[g1 + 1] for k in range(1, ends[-1] // size + 1))
+    assert [(a, b) for a, b in spans(sum(counts), size)] == [(a, min(a + size, sum(counts)))
+                                                             for a in range(0, sum(counts), size)]
 
 
 @SETTINGS

@@ -44,6 +44,17 @@ def expand(first: torch.Tensor, counts: torch.Tensor, step: torch.Tensor | None 
     return take(first, index) + take(step, index) * (torch.arange(total) - take(offsets, index))
 
 
+def run_entries(first: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The runs ``first[g], first[g] + 1, ..., first[g] + counts[g] - 1`` entry by entry: each
+    entry's run ``g`` and value, and where each run's entries start (``len(counts) + 1`` offsets).
+    :func:`expand` when the run of each entry is wanted too (one :func:`repeat`, and the values
+    from it by gathers: no second pass over the runs)."""
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    run = repeat(torch.arange(counts.numel()), counts, int(offsets[-1]))
+    return run, torch.arange(run.numel()).sub_(take(offsets, run)).add_(take(first, run)), offsets
+
+
 def _steps(x: torch.Tensor, before: int) -> torch.Tensor:
     """``x[i] - x[i - 1]``, reading ``x[-1]`` as ``before``: ``torch.diff`` with ``prepend``, which
     is several times slower on host tables (it copies its input into a new buffer first)."""
@@ -64,6 +75,11 @@ def stable_order(keys: torch.Tensor, bound: int | None = None) -> torch.Tensor:
     return torch.argsort(keys.to(dtype), stable=True)
 
 
+#: Entries a host pipeline takes at a time (:func:`batches`): a chain of gathers and elementwise ops
+#: over 2^18 int64 entries stays in cache and reuses the heap, where whole 10^7-entry tables
+#: page-fault every fresh buffer: 2x faster per entry at 16M tokens over 1024 ranks.
+BATCH = 1 << 18
+
 _SORT_TYPES = ((2**8, torch.uint8), (2**15, torch.int16), (2**31, torch.int32), (2**63, torch.int64))
 
 
@@ -79,6 +95,27 @@ def offsets_within(group: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
     before = starts(take(length, order))
     first = starts(torch.zeros(bound, dtype=torch.int64).index_add_(0, group, length))
     return torch.empty_like(before).scatter_(0, order, before).sub_(take(first, group))
+
+
+def spans(total: int, size: int | None = None) -> list[tuple[int, int]]:
+    """``[a, b)`` ranges of about :data:`BATCH` (or ``size``) entries covering ``[0, total)``:
+    a host pipeline over a big table, taken a span at a time, keeps its temporaries in cache."""
+    size = size or BATCH
+    return [(a, min(a + size, total)) for a in range(0, total, size)]
+
+
+def batches(counts: torch.Tensor, size: int | None = None) -> list[tuple[int, int, int, int]]:
+    """Consecutive groups (e.g. documents, ``counts[g]`` entries each) in batches of about
+    ``size`` entries: ``(g0, g1, e0, e1)``, groups ``[g0, g1)`` and their entries ``[e0, e1)``
+    laid out back to back. A batch ends at the last group boundary at or before a multiple of
+    ``size`` entries (groups are never split, so a big group makes a big batch)."""
+    size = size or BATCH
+    ends = torch.cumsum(counts, 0)
+    total = int(ends[-1]) if counts.numel() else 0
+    cuts = torch.searchsorted(ends, torch.arange(size, total, size), right=True).tolist() if total > size else []
+    groups = [0, *sorted(set(cuts) - {0, counts.numel()}), counts.numel()] if counts.numel() else []
+    entries = [0, *take(ends, torch.tensor(groups[1:], dtype=torch.int64) - 1).tolist()] if groups else []
+    return list(zip(groups, groups[1:], entries, entries[1:], strict=False))
 
 
 def all_true(mask: torch.Tensor) -> bool:

@@ -32,7 +32,7 @@ from doccp.kernels.runs import Runs, Work, clip_to_others, keys_seen, work
 from doccp.kernels.slices import FIELDS, Slices, paired
 from doccp.plan import Plan
 from doccp.plan.exchange import overlaps
-from doccp.ranges import any_true, index_of, stable_order, take
+from doccp.ranges import any_true, expand, index_of, repeat, run_entries, stable_order, starts, take
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,23 @@ class RingBlocks(NamedTuple):
     sizes: torch.Tensor
 
 
-def ring_blocks(plan: Plan) -> RingBlocks:
+class CausalBlocks(NamedTuple):
+    """Under a causal mask every piece but each document's last travels whole (every later token
+    of its document, on another rank, sees all of it). The blocks in rank order, so each rank's
+    block is one run of the table (``counts[r]`` entries, rank r's after rank r - 1's), its pieces
+    in stream order: stream ``index``, ``doc``, document-relative ``start``, ``length`` and ``row``
+    in the block; and every rank's block ``sizes``."""
+
+    index: torch.Tensor
+    doc: torch.Tensor
+    start: torch.Tensor
+    length: torch.Tensor
+    row: torch.Tensor
+    counts: torch.Tensor
+    sizes: torch.Tensor
+
+
+def ring_blocks(plan: Plan) -> RingBlocks | CausalBlocks:
     """Every rank's ring block (cached per plan).
 
     Key ``j`` of a piece ``[a, b)`` is needed by another rank iff a foreign query sees it. The
@@ -67,7 +83,7 @@ def ring_blocks(plan: Plan) -> RingBlocks:
     ``b`` (when ``b < L``), and the mask is a monotone interval mask, so the block part of a
     piece is its keys up to the last one query ``a - 1`` sees and from the first one query ``b``
     sees (for a band: its first ``right`` and last ``left`` keys); no exchange table needed.
-    Under a causal mask that is every piece but each document's last, whole (fewer passes)."""
+    Under a causal mask that is every piece but each document's last, whole (:class:`CausalBlocks`)."""
     if plan in _blocks_of:
         return _blocks_of[plan]
     blocks = _causal_blocks(plan) if plan.causal_like else _mask_blocks(plan)
@@ -75,18 +91,23 @@ def ring_blocks(plan: Plan) -> RingBlocks:
     return blocks
 
 
-def _causal_blocks(plan: Plan) -> RingBlocks:
-    """Under a causal mask a piece travels whole unless it is its document's last (every later
-    token of its document, on another rank, sees all of it): a few passes over the stream table
-    (``head_tail`` at 16M tokens over 1024 ranks has 15M pieces)."""
-    p = plan.stream_pieces
+def _causal_blocks(plan: Plan) -> CausalBlocks:
+    """:class:`CausalBlocks`: one filter of the rank order, and each block's row from one cumsum
+    (``head_tail`` at 16M tokens over 1024 ranks has 14M pieces)."""
+    p, order = plan.stream_pieces, plan.rank_order
     travels = torch.zeros(len(p), dtype=torch.bool)
     torch.eq(p.doc[1:], p.doc[:-1], out=travels[:-1])  # a later piece of its document follows
-    size = p.length.mul_(travels)
-    sizes = torch.zeros(plan.world_size, dtype=torch.int64).index_add_(0, p.rank, size)
-    keep = index_of(travels)
-    g0, g1 = plan.stream_bounds
-    return RingBlocks(*(take(x, keep) for x in (p.rank, g0, g1, plan.rank_offsets(size))), sizes)
+    kept = torch.nonzero(travels.index_select(0, order)).squeeze(1)  # positions in the rank order
+    index = take(order, kept)
+    start = take(p.start, index)
+    length = take(p.end, index).sub_(start)
+    bounds = torch.searchsorted(kept, torch.tensor(plan.rank_bounds))  # each rank's run of blocks
+    before = torch.zeros(len(index) + 1, dtype=torch.int64)  # rows of all blocks before, by the rank order
+    torch.cumsum(length, 0, out=before[1:])
+    sizes = torch.diff(take(before, bounds))
+    counts = torch.diff(bounds)
+    row = before[:-1].sub_(repeat(starts(sizes), counts, len(index)))  # within its owner's block
+    return CausalBlocks(index, take(p.doc, index), start, length, row, counts, sizes)
 
 
 def _mask_blocks(plan: Plan) -> RingBlocks:
@@ -120,6 +141,56 @@ def _mask_blocks(plan: Plan) -> RingBlocks:
     return RingBlocks(*(take(x, keep) for x in (rank, lo, hi, row)), sizes)
 
 
+def _causal_visits(plan: Plan, me: int, geo: Geometry, blocks: CausalBlocks) -> tuple[torch.Tensor, list[Slices]]:
+    """My block's local rows and the slices of steps 1..N-1 under a causal mask. A block is seen
+    whole by exactly my pieces after it in its document, a run of my local pieces, so the slices
+    are built block by block in rank order (each owner's run is one step's slices): no search
+    and no sort."""
+    n, q = plan.world_size, geo.runs
+    before = take(plan.pieces_before(me), blocks.index)  # my local pieces before each block
+    bounds = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(blocks.counts, 0)])
+    mine = slice(*bounds[me:me + 2].tolist())
+    own_block_rows = expand(take(geo.local_row, before[mine]), blocks.length[mine])
+    through = torch.cumsum(torch.bincount(geo.local.doc, minlength=plan.layout.num_docs), 0)  # mine up to each doc
+    count = take(through, blocks.doc).sub_(before)  # my pieces after the block in its document
+    count[mine] = 0  # my own block: step 0, the home slices
+    j, i, rows = run_entries(before, count)  # each slice's block and local piece
+    q0, k0 = take(q.row, i), take(blocks.row, j)
+    visiting = Slices(q0, q0 + take(q.length, i), k0, k0 + take(blocks.length, j), take(q.pos, i),
+                      take(blocks.start, j))
+    by_owner = _split(visiting, torch.diff(take(rows, bounds)).tolist())
+    return own_block_rows, [by_owner[(me - t) % n] for t in range(1, n)]
+
+
+def _mask_visits(plan: Plan, me: int, geo: Geometry, blocks: RingBlocks) -> tuple[torch.Tensor, list[Slices]]:
+    """My block's local rows and the slices of steps 1..N-1 under any mask: the keys each local
+    piece sees cut at the blocks (stream order: one binary search per piece), at their rows within
+    their block, ordered by the step their block's owner visits and trimmed to the rows that see
+    them (my own block's parts fall in step 0, which the home slices replace)."""
+    n, q = plan.world_size, geo.runs
+    b0, b1 = blocks.g0, blocks.g1
+    mine = torch.nonzero(blocks.rank == me).squeeze(1)
+    own_b0 = take(b0, mine)
+    own_block_rows = geo.local_rows(own_b0, take(b1, mine) - own_b0)
+    i, j, g0, g1 = overlaps(*geo.visible_bounds(), b0, b1)
+    key_row, key_pos = take(blocks.row, j) + (g0 - take(b0, j)), g0 - take(geo.local_base, i)
+    step = take(torch.arange(me, me - n, -1) % n, take(blocks.rank, j))  # (me - owner) % n
+    order = stable_order(step, n)
+    i, key_row, key_pos, key_len = (take(x, order) for x in (i, key_row, key_pos, g1 - g0))
+    visiting, kept = paired(q.row, q.pos, q.length, i, key_row, key_pos, key_len, plan.mask, keys_seen=True)
+    # rows are in step order now: each step's rows end where the cumulative counts say (of the
+    # pairs kept, when some were dropped: paired keeps pairs in order)
+    ends = torch.cumsum(torch.bincount(step, minlength=n), 0)
+    if kept is not None:
+        ends = torch.searchsorted(kept, ends)
+    return own_block_rows, _split(visiting, torch.diff(ends, prepend=ends.new_zeros(1)).tolist())[1:]
+
+
+def _split(slices: Slices, counts: list[int]) -> list[Slices]:
+    """``slices`` cut into consecutive runs of ``counts[k]`` rows."""
+    return [Slices(*cols) for cols in zip(*(torch.split(getattr(slices, f), counts) for f in FIELDS), strict=True)]
+
+
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_rows: torch.Tensor, block_sizes: list[int],
                  steps: list[Work], scale: float, backend: str, group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The pass-KV forward loop, shared by training and inference prefill.
@@ -149,36 +220,13 @@ class RingKV(Algorithm):
     overlaps_compute = True
 
     def schedule(self, plan: Plan, me: int) -> RingSchedule:
-        n, geo = plan.world_size, Geometry(plan, me)
+        geo = Geometry(plan, me)
         blocks = ring_blocks(plan)
-        b0, b1 = blocks.g0, blocks.g1
-        mine = torch.nonzero(blocks.rank == me).squeeze(1)
-        own_b0 = take(b0, mine)
-        own_block_rows = geo.local_rows(own_b0, take(b1, mine) - own_b0)
-        # Step 0: my queries against my own rows. Steps 1..N-1 in one table: the keys each local
-        # piece sees cut at the blocks (stream order: one binary search per piece), at their rows
-        # within their block, ordered by the step their block's owner visits (my own block's
-        # parts fall in step 0, which the home slices replace).
         q = geo.runs
-        home = q.slices_against(q, plan.mask)
-        i, j, g0, g1 = overlaps(*geo.visible_bounds(), b0, b1)
-        key_row, key_pos = take(blocks.row, j) + (g0 - take(b0, j)), g0 - take(geo.local_base, i)
-        step = take(torch.arange(me, me - n, -1) % n, take(blocks.rank, j))  # (me - owner) % n
-        order = stable_order(step, n)
-        i, key_row, key_pos, key_len = (take(x, order) for x in (i, key_row, key_pos, g1 - g0))
-        if plan.causal_like:  # every query of a piece sees every key up to its own: no rows to trim
-            q0, kept = take(q.row, i), None
-            visiting = Slices(q0, q0 + take(q.length, i), key_row, key_row + key_len, take(q.pos, i), key_pos)
-        else:
-            visiting, kept = paired(q.row, q.pos, q.length, i, key_row, key_pos, key_len, plan.mask, keys_seen=True)
-        # rows are in step order now: each step's rows end where the cumulative counts say
-        ends = torch.cumsum(torch.bincount(step, minlength=n), 0)
-        if kept is not None:  # (sorted: paired keeps pairs in order)
-            ends = torch.searchsorted(kept, ends)
-        counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
-        steps = [Slices(*cols) for cols in zip(*(torch.split(getattr(visiting, f), counts) for f in FIELDS),
-                                               strict=True)]
-        return RingSchedule(own_block_rows, blocks.sizes.tolist(), [home, *steps[1:]])
+        home = q.slices_against(q, plan.mask)  # step 0: my queries against my own rows
+        visits = _causal_visits if isinstance(blocks, CausalBlocks) else _mask_visits
+        own_block_rows, steps = visits(plan, me, geo, blocks)
+        return RingSchedule(own_block_rows, blocks.sizes.tolist(), [home, *steps])
 
     def received_bytes(self, plan: Plan, shapes: Shapes) -> list[int]:
         """Every other rank's block visits each rank once."""

@@ -24,7 +24,7 @@ from doccp.plan.balanced import balanced
 from doccp.plan.exchange import Intervals, group_ends, kv_exchange, sees_from_key_zero, visible_intervals
 from doccp.plan.head_tail import head_tail
 from doccp.plan.pieces import Pieces, cut_stream, even_sizes
-from doccp.ranges import any_true, expand, repeat, stable_order, starts, take
+from doccp.ranges import any_true, expand, repeat, spans, stable_order, starts, take
 
 __all__ = ["Plan", "PlanStats", "plan", "STRATEGIES", "Pieces", "Intervals"]
 
@@ -81,12 +81,16 @@ def _partitions(plan: Plan, normalized: bool = False) -> bool:
     if layout.num_tokens == 0 or len(p) == 0:
         return len(p) == 0 and layout.num_tokens == 0
     g0, g1 = plan.stream_bounds  # (reductions of the values, not tests of masks: see ranges.all_true)
-    ok = (int(g0[0]) == 0 and int(g1[-1]) == layout.num_tokens and torch.equal(g0[1:], g1[:-1])
-          and int(p.start.min()) >= 0 and int((p.end - take(layout.lengths, p.doc)).max()) <= 0)
-    if ok and normalized:
-        ok = int((g1 - g0).min()) > 0 and not any_true(
-            (p.rank[1:] == p.rank[:-1]).logical_and_(p.doc[1:] == p.doc[:-1]))
-    return ok
+    if not (int(g0[0]) == 0 and int(g1[-1]) == layout.num_tokens and torch.equal(g0[1:], g1[:-1])):
+        return False
+    for a, b in spans(len(p)):  # (the tests' tables stay in cache)
+        c = min(b, len(p) - 1)  # neighbour pairs [a, c)
+        if int(p.start[a:b].min()) < 0 or int((p.end[a:b] - take(layout.lengths, p.doc[a:b])).max()) > 0:
+            return False
+        if normalized and (int((g1[a:b] - g0[a:b]).min()) <= 0 or any_true(
+                (p.rank[a + 1:c + 1] == p.rank[a:c]).logical_and_(p.doc[a + 1:c + 1] == p.doc[a:c]))):
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -160,7 +164,7 @@ class Plan:
         self.check_rank(rank)
         if rank not in self._ranks:
             if "all_pieces" in self.__dict__ or self._ranks:
-                a, b = self._rank_bounds[rank], self._rank_bounds[rank + 1]
+                a, b = self.rank_bounds[rank], self.rank_bounds[rank + 1]
                 self._ranks[rank] = self.all_pieces.select(slice(a, b))
             else:
                 self._ranks[rank] = self.stream_pieces.select(self.stream_pieces.rank == rank)
@@ -170,23 +174,29 @@ class Plan:
     def stream_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Stream offsets ``[g0, g1)`` of :attr:`stream_pieces` (they tile ``[0, num_tokens)``)."""
         p = self.stream_pieces
-        base = take(self.layout.cu_seqlens, p.doc)
-        return base + p.start, base + p.end
+        g0, g1 = torch.empty_like(p.start), torch.empty_like(p.end)
+        for a, b in spans(len(p)):  # (one small table of document offsets at a time)
+            base = take(self.layout.cu_seqlens, p.doc[a:b])
+            torch.add(base, p.start[a:b], out=g0[a:b])
+            torch.add(base, p.end[a:b], out=g1[a:b])
+        return g0, g1
 
     @cached_property
     def all_pieces(self) -> Pieces:
         """Every rank's pieces, ordered by (rank, doc, start)."""
-        return self.stream_pieces.select(self._rank_order)
+        return self.stream_pieces.select(self.rank_order)
 
     @cached_property
-    def _rank_order(self) -> torch.Tensor:
+    def rank_order(self) -> torch.Tensor:
+        """Stream indices of every piece in rank order (by rank, then stream order): one stable
+        sort by rank, the permutation every per-rank layout of the plan's pieces starts from."""
         return stable_order(self.stream_pieces.rank, self.world_size)
 
     def stream_index(self, rank: int) -> torch.Tensor:
         """Stream indices of the pieces of ``rank``, ascending (its pieces in (doc, start) order):
         a slice of the rank order."""
         self.check_rank(rank)
-        return self._rank_order[self._rank_bounds[rank]:self._rank_bounds[rank + 1]]
+        return self.rank_order[self.rank_bounds[rank]:self.rank_bounds[rank + 1]]
 
     @cached_property
     def causal_like(self) -> bool:
@@ -201,8 +211,18 @@ class Plan:
         """Stream indices of every (rank, doc) group's last piece, ascending (under a causal mask
         a rank sees a document up to the end of its last piece there: :attr:`causal_like`)."""
         last = torch.zeros(len(self.stream_pieces), dtype=torch.bool)
-        last.index_fill_(0, group_ends(self.stream_pieces, self._rank_order), True)
+        last.index_fill_(0, group_ends(self.stream_pieces, self.rank_order), True)
         return torch.nonzero(last).squeeze(1)
+
+    def pieces_before(self, rank: int) -> torch.Tensor:
+        """For every stream piece, how many pieces of ``rank`` come earlier in the stream (for the
+        rank's own pieces: their local index). One pass over the stream table, no search: what the
+        ring's schedule under a causal mask asks of every other rank's pieces is which of its own
+        come after them."""
+        self.check_rank(rank)
+        before = torch.zeros(len(self.stream_pieces) + 1, dtype=torch.int64)
+        torch.cumsum(self.stream_pieces.rank == rank, 0, out=before[1:])
+        return before[:-1]
 
     def rank_offsets(self, sizes: torch.Tensor) -> torch.Tensor:
         """Where entries sit in per-rank buffers: ``sizes`` holds ``k`` entries per stream piece
@@ -210,7 +230,7 @@ class Plan:
         stream order (a piece's ``k`` in turn); returns each entry's offset in its rank's buffer,
         shaped like ``sizes``. One gather into the cached rank order and one cumsum, no sort: local
         rows (``k = 1``) and ring blocks (``k = 2``) alike."""
-        order, rank = self._rank_order, self.stream_pieces.rank
+        order, rank = self.rank_order, self.stream_pieces.rank
         k = sizes.shape[1] if sizes.dim() == 2 else 1
         # entry e of piece p is flat entry k * p + e; in rank order the pieces' entries stay together
         flat_order = (order[:, None] * k + torch.arange(k)).reshape(-1) if k > 1 else order
@@ -225,7 +245,8 @@ class Plan:
         return (offsets.view(-1, k) - first[:, None]).reshape(sizes.shape)
 
     @cached_property
-    def _rank_bounds(self) -> list[int]:
+    def rank_bounds(self) -> list[int]:
+        """Where each rank's run of :attr:`rank_order` starts (and, last, its length)."""
         counts = torch.bincount(self.stream_pieces.rank, minlength=self.world_size)
         return [0, *torch.cumsum(counts, 0).tolist()]
 
@@ -272,7 +293,7 @@ class Plan:
     @cached_property
     def seen(self) -> Pieces:
         """Key intervals each rank's queries see, merged per (rank, doc), in rank order."""
-        return visible_intervals(self.stream_pieces, self.layout.lengths, self.mask, order=self._rank_order)
+        return visible_intervals(self.stream_pieces, self.layout.lengths, self.mask, order=self.rank_order)
 
     @cached_property
     def kv_received(self) -> list[int]:

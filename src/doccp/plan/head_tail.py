@@ -17,7 +17,9 @@ documents and no rank collects one extra token per document.
 The pieces are emitted in stream order and only the non-empty chunks are built: a document
 shorter than 2N has ``L`` one-token chunks, not 2N, so the cost is O(pieces), never
 O(documents x N). Chunks N - 1 and N (both rank N - 1's) are emitted as one piece, so the
-pieces come out normalized and :func:`~doccp.plan.plan` has nothing to sort or merge.
+pieces come out normalized and :func:`~doccp.plan.plan` has nothing to sort or merge. They are
+built a batch of documents at a time (:func:`~doccp.ranges.batches`): at 16M tokens over 1024
+ranks there are 14M pieces, and whole-table passes would page-fault every fresh table.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from doccp.layout import DocLayout
 from doccp.masks import Mask
 from doccp.plan.pieces import Pieces
-from doccp.ranges import expand, repeat, starts, take
+from doccp.ranges import batches, expand, repeat, starts, take
 
 
 def head_tail(layout: DocLayout, world_size: int, mask: Mask | None = None) -> Pieces:
@@ -55,15 +57,27 @@ def head_tail(layout: DocLayout, world_size: int, mask: Mask | None = None) -> P
         torch.where(short, cursor + m - n, 0).clamp(min=0),
     ], 1)
     pieces = counts.sum(1)
+    middle = base + (((n - 1 - cursor) % n + n) < rem)  # chunk N's size (its order: rank N - 1's + N)
+    per_doc = firsts, counts, pieces, base, rem, cursor, middle
+    out = Pieces(*(torch.empty(int(pieces.sum()), dtype=torch.int64) for _ in range(4)))
+    for d0, d1, e0, e1 in batches(pieces):  # (the per-piece tables stay in cache)
+        _chunks(n, layout.cu_seqlens, d0, *(x[d0:d1] for x in per_doc), out=out.select(slice(e0, e1)))
+    return out
+
+
+def _chunks(n: int, cu: torch.Tensor, d0: int, firsts, counts, pieces, base, rem, cursor, middle, out: Pieces
+            ) -> None:
+    """Write the pieces of documents ``d0, d0 + 1, ...`` into ``out`` (views of the plan's columns;
+    the per-document tables sliced to those documents)."""
     chunk = expand(firsts.reshape(-1), counts.reshape(-1))
-    doc = repeat(torch.arange(lengths.numel()), pieces)
-    rank = torch.minimum(chunk, (2 * n - 1) - chunk)
+    doc = repeat(torch.arange(pieces.numel()), pieces)
+    rank = torch.minimum(chunk, (2 * n - 1) - chunk, out=out.rank)
     # the order in which the chunk gets a remainder token: (rank - cursor) mod N, plus N for a tail
     order = rank - take(cursor, doc)
     order += torch.where(order < 0, n, 0) + torch.where(chunk >= n, n, 0)
     size = take(base, doc) + (order < take(rem, doc))
-    middle = base + (((n - 1 - cursor) % n + n) < rem)  # chunk N's size (its order: rank N - 1's + N)
     has = torch.nonzero(middle).squeeze(1)
     size.index_add_(0, take(starts(pieces), has) + (n - 1), take(middle, has))
-    end = torch.cumsum(size, 0) - take(layout.cu_seqlens, doc)  # the pieces tile the stream
-    return Pieces(rank, doc, end - size, end)
+    doc = torch.add(doc, d0, out=out.doc)
+    end = torch.cumsum(size, 0, out=out.end).add_(int(cu[d0])).sub_(take(cu, doc))  # the pieces tile the stream
+    torch.sub(end, size, out=out.start)
