@@ -328,6 +328,31 @@ def test_attention_two_rank_plans(monkeypatch, lengths):
     check(spawn(run_cases, 2, 2, cases, threads=1), cases, 2)
 
 
+@pytest.mark.parametrize("world_size, lengths, masks", [
+    (3, [34, 34, 13, 8, 13, 5, 8, 8, 21, 21, 3, 1, 0, 1, 5], [Mask.causal()]),
+    (3, [21, 2, 13, 8, 13, 34, 1, 34, 1, 1, 21, 5, 0, 89, 89], [Mask.sliding_window(5)]),
+    (4, [21, 89, 89, 13, 89, 89, 5, 0, 5, 1, 3], [Mask.causal()]),
+    (4, [2, 21, 1, 2, 55, 5, 89, 0, 55, 89, 55, 21, 1, 3, 55], [Mask.sliding_window(5), Mask.chunked(16)]),
+    (5, [89, 89, 34, 55, 34, 21, 1, 55, 34, 55, 13, 0], [Mask.sliding_window(5)]),
+])
+def test_attention_trimmed_plans(monkeypatch, world_size, lengths, masks):
+    """Plans of the balanced planner's trimmed packing (doccp.plan.trims: whole documents packed by
+    density, a run cut off the heaviest, what fits nowhere cut into the rooms left) at odd and even
+    N, with zero-length and 1-token documents, under causal, sliding-window and chunked masks."""
+    import importlib
+    trims = importlib.import_module("doccp.plan.trims")
+    layout = DocLayout.from_lengths(lengths)
+    trimmed = [max(doccp.plan(layout, world_size, mask).stats().kv_recv) for mask in masks]
+    assert all(doccp.plan(layout, world_size, mask).stats().imbalance <= 1.01 for mask in masks)
+    with monkeypatch.context() as m:
+        m.setattr(trims, "TRIM_RANKS", 0)
+        others = [max(doccp.plan(layout, world_size, mask).stats().kv_recv) for mask in masks]
+    assert all(a < b for a, b in zip(trimmed, others, strict=True))  # the plans under test are trimmed packings
+    cases = [(lengths, "balanced", mask, algorithm, i)
+             for i, (mask, algorithm) in enumerate(itertools.product(masks, ALGORITHMS))]
+    check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
+
+
 def test_chunks_that_do_not_straddle_ranks_move_nothing():
     """A chunk needs only its own keys: cut at chunk boundaries, CP exchanges no KV at all, while
     a cut inside a chunk sends just that chunk's head."""

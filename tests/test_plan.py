@@ -58,6 +58,7 @@ def cases(draw):
 
 
 balanced = importlib.import_module("doccp.plan.balanced")
+trims = importlib.import_module("doccp.plan.trims")
 #: Every variant of the bisection planner (head shares x windows, late heads).
 BISECTIONS = [balanced.Chunking(0, head_back, True, window, late)
               for head_back, late in balanced.BISECT_HEAD_BACK for window in balanced.BISECT_WINDOW]
@@ -856,6 +857,7 @@ def test_matched_packing_leaves_every_rank_the_reserves_density(monkeypatch):
     layout = DocLayout.from_lengths(workloads.layout("sft", 131072, 3))
     assert plan(layout, 4).stats().max_kv_fraction <= 0.001
     monkeypatch.setattr(balanced, "MATCH_RANKS", 0)
+    monkeypatch.setattr(trims, "TRIM_RANKS", 0)  # (it packs this layout whole by itself)
     assert plan(layout, 4).stats().max_kv_fraction == pytest.approx(0.0068, abs=0.0005)
 
 
@@ -940,6 +942,83 @@ def test_two_rank_plans_tile_and_balance(seed):
         assert len(plans) == 1  # one document alone over two ranks: its head and tail and middle
 
 
+def test_trimmed_packings_tile_and_balance():
+    """Every plan of doccp.plan.trims is exact for any layout it takes (zero-length and 1-token
+    documents, N 2-16, causal, sliding-window and chunked masks): the pieces tile every document once,
+    every rank holds its even share of the tokens and at most the tolerance's work, and the only
+    documents cut are the runs' (at most one per over-worked rank a round) and those cut into the
+    rooms left (at most N - 1 cuts)."""
+    from doccp.plan.pieces import even_sizes
+    rng, planned, cut_plans, middles = random.Random(0), 0, 0, 0
+    for _ in range(120):
+        n = rng.randint(2, 16)
+        lengths = [rng.choice([0, 1, 2, 5, 13, 40, 100, 200]) for _ in range(rng.randint(30, 160))]
+        mask = rng.choice([Mask.causal(), Mask.sliding_window(7), Mask.chunked(32)])
+        layout = DocLayout.from_lengths(lengths)
+        work = mask.row_work(0, layout.lengths, layout.lengths)
+        plans = trims.trimmed_packings(layout.lengths, work, n, mask, 1.01)
+        planned += bool(plans)
+        for p in plans:
+            held = torch.zeros(layout.num_tokens, dtype=torch.int64)
+            for d, a, b in zip(p.doc.tolist(), p.start.tolist(), p.end.tolist(), strict=True):
+                assert 0 <= a < b <= lengths[d]
+                held[int(layout.cu_seqlens[d]) + a:int(layout.cu_seqlens[d]) + b] += 1
+            assert bool((held == 1).all()), (lengths, n)
+            tokens = torch.zeros(n, dtype=torch.int64).index_add_(0, p.rank, p.length)
+            assert torch.equal(tokens, even_sizes(layout.num_tokens, n)), (lengths, n)
+            per_rank = torch.zeros(n, dtype=torch.float64).index_add_(
+                0, p.rank, mask.row_work(p.start, p.end, layout.lengths[p.doc]).double())
+            assert float(per_rank.max()) <= 1.01 * float(work.sum()) / n + 1e-6, (lengths, n, str(mask))
+            cut = torch.unique(p.doc[p.length < layout.lengths[p.doc]]).numel()
+            assert cut <= trims.ROUNDS * n + n - 1
+            cut_plans += cut > 0
+            middles += bool(((p.start > 0) & (p.end < layout.lengths[p.doc])).any())  # a run after a head
+    assert planned >= 40 and cut_plans >= 15 and middles >= 8  # (what the layouts exercise: 55, 21, 14)
+
+
+def test_balanced_trims_the_heaviest_documents_where_ranks_share_many(monkeypatch):
+    """sft mix, layout 7, 8 ranks: a 3882-token document does 87% of a rank's work. The sequence
+    plans cut a dense document at every rank boundary of their front run, and the rank holding its
+    last rows receives the rest (0.025 of an all-gather); packed by density with a run trimmed off
+    the heaviest documents, every rank receives under 0.007."""
+    layout = DocLayout.from_lengths(workloads.layout("sft", 131072, 7))
+    s = plan(layout, 8).stats()
+    assert s.imbalance <= 1.01 and max(s.tokens) - min(s.tokens) <= 1 and s.max_kv_fraction <= 0.007
+    heaviest = int(torch.argmax(layout.lengths))
+    p = plan(layout, 8).stream_pieces
+    assert int((p.doc == heaviest).sum()) == 2  # its run, and the rest
+    monkeypatch.setattr(trims, "TRIM_RANKS", 0)
+    assert plan(layout, 8).stats().max_kv_fraction > 0.02
+
+
+def test_trimmed_packing_grows_the_shortest_run_that_sheds_the_excess():
+    """A run sheds the work asked of it beyond the run it grows from, as short as that allows,
+    ``start`` run lengths into the document (causal, 100 tokens: rows cost 1..100)."""
+    lengths = torch.tensor([100, 7])
+    work = Mask.causal().row_work(0, lengths, lengths)
+    packing = trims._Packing(lengths, work, 2, Mask.causal(), 1.01)
+    assert packing.grown(0, None, 1000, 0) == (0, 45)  # 45 * 46 / 2 = 1035 >= 1000 > 990
+    assert packing.grown(0, None, 1000, 1) == (26, 52)  # rows 26..51 cost 27..52: 1027
+    assert packing.grown(0, None, 1000, 2) == (40, 60)  # rows 40..59 cost 41..60: 1010 (19 rows: 912)
+    assert packing.grown(0, (10, 20), 1000, 0) == (0, 48)  # 1176 - 155 (the old run's) >= 1000
+    assert packing.grown(0, None, 10**6, 0) == (1, 100)  # no run sheds it: all but the first row
+
+
+def test_trimmed_packings_only_where_a_run_per_document_fits():
+    """No plans for a mask that looks ahead (a cut then costs both sides), for more than
+    TRIM_RANKS ranks, or where a document is longer than a rank's share; one plan, every document
+    whole, where the packing balances without runs."""
+    def plans(lengths, n, mask=Mask.causal()):
+        lengths = torch.tensor(lengths)
+        return trims.trimmed_packings(lengths, mask.row_work(0, lengths, lengths), n, mask, 1.01)
+
+    many = [5, 13, 40, 100] * 20  # 3160 tokens
+    assert plans(many, 4, Mask.full()) == [] and plans(many, trims.TRIM_RANKS + 1) == []
+    assert plans([500, *many], 8) == [] and plans([], 4) == []  # (8 ranks of 457 tokens)
+    (whole,) = plans(many, 4)
+    assert bool((whole.length == torch.tensor(many)[whole.doc]).all())
+
+
 def test_packing_pins_at_most_pack_docs(monkeypatch):
     """The packing's greedy is a Python step per document: it pins the PACK_DOCS heaviest at most,
     and the lighter ones join the reserve (the plan stays exact and balanced)."""
@@ -1008,6 +1087,7 @@ def test_balanced_packs_documents_whole_where_few_ranks_share_many(monkeypatch, 
     assert s.max_kv_fraction <= 0.005
     monkeypatch.setattr(balanced, "PACK_RANKS", 0)
     monkeypatch.setattr(balanced, "TWO_RANKS_KV", float("inf"))  # (over 2 ranks it finds such plans too)
+    monkeypatch.setattr(trims, "TRIM_RANKS", 0)  # (and so does the trimmed packing)
     assert plan(layout, n).stats().max_kv_fraction == pytest.approx(before, abs=0.001)
 
 
@@ -1548,4 +1628,5 @@ def test_nested_parts_of_several_documents_on_ranks_of_their_own():
     assert 0 in ranks[0] or 3 in ranks[0], ranks
     with pytest.MonkeyPatch.context() as m:
         m.setattr(balanced, "NESTED_DOCS", 1)
+        m.setattr(trims, "TRIM_RANKS", 0)  # (its runs receive 0.0998 here)
         assert plan(layout, 4).stats().max_kv_fraction == pytest.approx(0.1084, abs=0.0005)

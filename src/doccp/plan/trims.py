@@ -1,0 +1,190 @@
+"""Whole documents packed by density, the heaviest trimmed: a candidate of the ``balanced`` planner.
+
+Where every rank holds many documents (short documents, few ranks), whole documents balance
+tokens and work by themselves but for a few: a document of 4k tokens can do 90% of a rank's
+work in a quarter of its tokens, and the lightest documents of the layout may not fill the
+rest of that rank within the cap. Under a causal mask a cut costs the rank holding the later
+part the earlier part's length, so the cheap cut takes a short *run* off such a document: its
+head (the holder of the rest receives the head's length), or a run right after a head as long
+as the run, or twice as long (the holder of head and tail receives the run, the run's holder
+the head before it), which sheds more work per key received::
+
+    items, densest first (work per token; a trimmed document is two: its run, and the rest)
+      -> each to the rank with the most work left per token of room, among those it fits in
+    what fits nowhere, lightest first -> cut into the rooms left, rank by rank (short prefixes)
+    a rank over the cap -> the run of the document it holds most of grows by that much work;
+                           packed again (at most ROUNDS times)
+
+The sequence plans of :mod:`doccp.plan.balanced` cut a dense document at every rank boundary of
+their front run, and the rank holding its last rows receives the rest (sft layout #7 over 8
+ranks: 2846 keys, where this packing receives 768). Host work: O(items x N) per round, a few
+rounds, only for at most :data:`TRIM_RANKS` ranks; the search scores the plans with its own.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from doccp.masks import Mask
+from doccp.plan.pieces import Pieces, even_sizes
+
+#: Most ranks the packing is tried for: beyond, ranks hold few documents each, and the greedy's
+#: O(items x N) Python loop would cost more than the sequence plans it competes with.
+TRIM_RANKS = 16
+#: Most documents the packing is tried for (its greedy is a Python step per document and rank): a
+#: batch of 1M tokens holds 400-1900 of the seeded mixes', where it still finds plans that receive
+#: nothing (lognormal and sft layouts over 16 ranks: 0.27-0.63% of an all-gather -> 0); at 16M
+#: tokens over 8 ranks (23k documents) it would double the planner's time for little to gain.
+TRIM_DOCS = 2048
+#: Most packings per variant: each round grows the runs of the ranks still over the cap (on the
+#: seeded layouts of 131k tokens over 2-16 ranks, those that reach the cap do in at most 8 rounds
+#: but for 7 of 205).
+ROUNDS = 8
+#: Where a run starts, in run lengths after the document's start: 0 is a head; 1 and 2 leave a
+#: head of that many run lengths with the rest (what sheds the most work per key received depends
+#: on what else the ranks hold, so each is a plan of its own).
+RUN_STARTS = (0, 1, 2)
+#: The packing aims this much under the planner's work tolerance (max/mean): its rounds then stop
+#: with room to spare, and reach it more often (the 160 seeded layouts of 131k tokens over 2-16
+#: ranks: 29 plans with less KV than the other candidates', not 26).
+CAP_SLACK = 0.002
+
+
+def trimmed_packings(lengths: torch.Tensor, doc_work: torch.Tensor, world_size: int, mask: Mask,
+                     tolerance: float) -> list[Pieces]:
+    """The packing's plan if every document stays whole, else one plan per run start
+    (:data:`RUN_STARTS`) whose runs bring every rank within ``tolerance`` (max/mean work);
+    ``doc_work``: every document's work under ``mask``."""
+    n, total = world_size, int(lengths.sum())
+    if n < 2 or n > TRIM_RANKS or total == 0 or mask.looks_ahead or lengths.numel() > TRIM_DOCS:
+        return []
+    if int(lengths.max()) > total // n:
+        return []  # a document longer than a rank spans ranks: not this shape
+    packing = _Packing(lengths, doc_work, n, mask, tolerance)
+    pieces, over = packing.balanced({})
+    if pieces is not None:
+        return [pieces]
+    return [p for p in (packing.solve(start, over) for start in RUN_STARTS) if p is not None]
+
+
+class _Packing:
+    """The greedy packing of the module docstring for one layout."""
+
+    def __init__(self, lengths: torch.Tensor, doc_work: torch.Tensor, n: int, mask: Mask, tolerance: float):
+        self.lengths, self.n, self.mask = lengths, n, mask
+        self.length, self.work = lengths.tolist(), doc_work.double().tolist()
+        self.sizes = even_sizes(int(lengths.sum()), n).tolist()
+        self.mean = sum(self.work) / n
+        self.cap = (tolerance - CAP_SLACK) * self.mean
+        self._prefix: dict[int, torch.Tensor] = {}
+        # whole documents, densest first (each packing merges the trimmed ones' items in)
+        self.whole = sorted((-w / size, d, ((0, size),), w, size)
+                            for d, (w, size) in enumerate(zip(self.work, self.length, strict=True)) if size)
+
+    def prefix_work(self, doc: int) -> torch.Tensor:
+        """Work of the document's first ``k`` rows, for every ``k`` (cached: only cut documents)."""
+        if doc not in self._prefix:
+            costs = self.mask.row_costs(self.length[doc]).double()
+            self._prefix[doc] = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(costs, 0)])
+        return self._prefix[doc]
+
+    def range_work(self, doc: int, a: int, b: int) -> float:
+        if a == 0 and b == self.length[doc]:
+            return self.work[doc]
+        prefix = self.prefix_work(doc)
+        return float(prefix[b] - prefix[a])
+
+    def balanced(self, runs: dict[int, tuple[int, int]]) -> tuple[Pieces | None, tuple]:
+        """The packing with these runs cut off: its pieces if no rank is over the cap, else each
+        rank's excess work and the (rank, doc, start, end) pieces."""
+        pieces = self.pack(runs)
+        rank, doc, a, b = (torch.tensor(c, dtype=torch.int64) for c in zip(*pieces, strict=True))
+        work = torch.zeros(self.n, dtype=torch.float64).index_add_(
+            0, rank, self.mask.row_work(a, b, self.lengths[doc]).double())
+        over = (work - self.cap).tolist()
+        return (Pieces(rank, doc, a, b), ()) if max(over) <= 0 else (None, (over, pieces))
+
+    def solve(self, start: float, packed: tuple) -> Pieces | None:
+        """Runs starting ``start`` run lengths into their documents, grown from the whole documents'
+        packing (``packed``: its excess and pieces, of :meth:`balanced`) a round at a time until no
+        rank is over the cap; None after :data:`ROUNDS`, or once a round leaves no less excess."""
+        runs: dict[int, tuple[int, int]] = {}  # doc -> its run [a, b)
+        excess = float("inf")
+        for _ in range(ROUNDS):
+            (over, pieces), before = packed, excess
+            excess = sum(x for x in over if x > 0)
+            if excess >= before:
+                return None
+            held: dict[tuple[int, int], int] = {}
+            for r, d, x, y in pieces:
+                if self.length[d] > 1:  # (a document of one row has no run to cut off)
+                    held[r, d] = held.get((r, d), 0) + y - x
+            for r in (r for r in range(self.n) if over[r] > 0):
+                mine = [d for rr, d in held if rr == r]
+                if mine:
+                    d = max(mine, key=lambda d: (held[r, d], d))
+                    runs[d] = self.grown(d, runs.get(d), over[r], start)
+            result, packed = self.balanced(runs)
+            if result is not None:
+                return result
+        return None
+
+    def pack(self, runs: dict[int, tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+        """(rank, doc, start, end) of every piece: the items (whole documents, and each trimmed one
+        as its run and the rest, head and tail together) densest first, each to the rank with the
+        most work left per token of room that it fits in; the rest cut into the rooms left."""
+        n, target = self.n, self.mean
+        trimmed = []
+        for d, (a, b) in runs.items():
+            rest = tuple((x, y) for x, y in ((0, a), (b, self.length[d])) if y > x)
+            for ranges in (rest, ((a, b),)):
+                w, size = sum(self.range_work(d, x, y) for x, y in ranges), sum(y - x for x, y in ranges)
+                trimmed.append((-w / size, d, ranges, w, size))
+        items = heapq.merge((item for item in self.whole if item[1] not in runs), sorted(trimmed))
+        room, work = list(self.sizes), [0.0] * n
+        pieces, left = [], []
+        for _, d, ranges, w, size in items:
+            best, best_density = -1, 0.0
+            for r in range(n):
+                if room[r] >= size:
+                    density = (target - work[r]) / room[r]
+                    if best < 0 or density > best_density:
+                        best, best_density = r, density
+            if best < 0:
+                left += [(self.range_work(d, a, b) / (b - a), d, a, b) for a, b in ranges]
+                continue
+            room[best] -= size
+            work[best] += w
+            pieces += [(best, d, a, b) for a, b in ranges]
+        left.sort()
+        r = 0
+        for _, d, a, b in left:  # the lightest first, cut into the rooms in rank order
+            while a < b:
+                while room[r] == 0:
+                    r += 1
+                take = min(room[r], b - a)
+                pieces.append((r, d, a, a + take))
+                room[r] -= take
+                a += take
+        return pieces
+
+    def grown(self, doc: int, run: tuple[int, int] | None, shed: float, start: float) -> tuple[int, int]:
+        """The shortest run starting ``start`` run lengths into the document (or less, to fit) that
+        contains ``run`` and sheds ``shed`` more work than it; the document's rows but its first
+        where none does."""
+        length = self.length[doc]
+        prefix = self.prefix_work(doc)
+        k = torch.arange(1, length + 1)
+        a = torch.minimum(torch.round(k * start).long(), length - k)
+        b = a + k
+        base = 0.0
+        if run is not None:
+            a, b = torch.minimum(a, torch.tensor(run[0])), torch.maximum(b, torch.tensor(run[1]))
+            base = float(prefix[run[1]] - prefix[run[0]])
+        fits = torch.nonzero((prefix[b] - prefix[a] - base >= shed) & (b - a < length)).flatten()
+        if not fits.numel():
+            return 1, length
+        i = int(fits[0])
+        return int(a[i]), int(b[i])
