@@ -229,9 +229,21 @@ def test_attention_bisection_plans(world_size, lengths, masks, late):
     check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
 
 
+def _assert_not_trimmed(monkeypatch, layout: DocLayout, n: int, masks: list[Mask]) -> None:
+    """The balanced plans of ``layout`` are the same with the trimmed packing (doccp.plan.trims)
+    off: the candidate a test means to run is the one the spawned ranks plan."""
+    import importlib
+    plans = [doccp.plan(layout, n, mask).stream_pieces for mask in masks]
+    with monkeypatch.context() as m:
+        m.setattr(importlib.import_module("doccp.plan.trims"), "TRIM_RANKS", 0)
+        for mask, ours in zip(masks, plans, strict=True):
+            theirs = doccp.plan(layout, n, mask).stream_pieces
+            assert all(torch.equal(getattr(ours, f), getattr(theirs, f)) for f in ("rank", "doc", "start", "end"))
+
+
 @pytest.mark.parametrize("world_size, lengths, masks, without", [
     (2, [20, 52, 1, 0, 1, 12, 36, 7, 36, 2, 20, 29, 2, 12, 5], [Mask.causal()], ("PACK_RANKS", 0)),
-    (3, [1, 20, 20, 3, 12, 3, 20, 31, 7, 31, 0, 31, 1, 12], [Mask.causal(), Mask.sliding_window(5)],
+    (3, [12, 31, 0, 7, 31, 3, 0, 0, 1, 20, 12, 7, 31, 20, 3, 3], [Mask.causal(), Mask.sliding_window(5)],
      ("PACK_RANKS", 0)),
     (2, [0, 7, 5, 7, 3, 1, 29, 7, 2, 7, 3], [Mask.causal()], ("PACK_HEAD_RESERVE", ())),
     (3, [12, 2, 0, 1, 36, 1, 7], [Mask.causal()], ("PACK_HEAD_RESERVE", ())),
@@ -249,6 +261,7 @@ def test_attention_packed_plans(monkeypatch, world_size, lengths, masks, without
     layout = DocLayout.from_lengths(lengths)
     packed = [max(doccp.plan(layout, world_size, mask).stats().kv_recv) for mask in masks]
     assert all(doccp.plan(layout, world_size, mask).stats().imbalance <= 1.01 for mask in masks)  # balanced plans
+    _assert_not_trimmed(monkeypatch, layout, world_size, masks)
     with monkeypatch.context() as m:
         m.setattr(balanced, "_nested_plan", lambda *args, **kwargs: None)  # (it ties some of these packings)
         assert [max(doccp.plan(layout, world_size, mask).stats().kv_recv) for mask in masks] == packed
@@ -311,7 +324,7 @@ def test_attention_nested_plans_of_the_heaviest_alone(monkeypatch, world_size, l
     check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
 
 
-@pytest.mark.parametrize("lengths", [[5, 8, 90, 31, 0, 20, 3, 90, 0, 2, 1, 8], [60, 0, 20, 0, 2, 60, 3, 1, 3]])
+@pytest.mark.parametrize("lengths", [[90, 8, 5, 2, 2, 0, 8, 60, 31, 90, 1], [60, 0, 20, 0, 2, 60, 3, 1, 3]])
 def test_attention_two_rank_plans(monkeypatch, lengths):
     """Plans of the balanced planner's two-rank candidate (doccp.plan.two_ranks: one document's
     head and tail on one rank, its middle on the other, beside whole documents a local search
@@ -321,7 +334,9 @@ def test_attention_two_rank_plans(monkeypatch, lengths):
     layout = DocLayout.from_lengths(lengths)
     s = doccp.plan(layout, 2).stats()
     assert s.imbalance <= 1.01
+    _assert_not_trimmed(monkeypatch, layout, 2, [Mask.causal()])
     with monkeypatch.context() as m:
+        m.setattr(importlib.import_module("doccp.plan.trims"), "TRIM_RANKS", 0)  # (it ties the first)
         m.setattr(balanced, "TWO_RANKS_KV", float("inf"))
         assert max(s.kv_recv) < max(doccp.plan(layout, 2).stats().kv_recv)  # the plans under test
     cases = [(lengths, "balanced", Mask.causal(), algorithm, i) for i, algorithm in enumerate(ALGORITHMS)]
@@ -331,9 +346,10 @@ def test_attention_two_rank_plans(monkeypatch, lengths):
 @pytest.mark.parametrize("world_size, lengths, masks", [
     (3, [34, 34, 13, 8, 13, 5, 8, 8, 21, 21, 3, 1, 0, 1, 5], [Mask.causal()]),
     (3, [21, 2, 13, 8, 13, 34, 1, 34, 1, 1, 21, 5, 0, 89, 89], [Mask.sliding_window(5)]),
-    (4, [21, 89, 89, 13, 89, 89, 5, 0, 5, 1, 3], [Mask.causal()]),
+    (4, [34, 5, 21, 21, 0, 21, 89, 1, 3, 5, 2, 8, 3, 21, 89, 34], [Mask.causal()]),
     (4, [2, 21, 1, 2, 55, 5, 89, 0, 55, 89, 55, 21, 1, 3, 55], [Mask.sliding_window(5), Mask.chunked(16)]),
     (5, [89, 89, 34, 55, 34, 21, 1, 55, 34, 55, 13, 0], [Mask.sliding_window(5)]),
+    (5, [3, 13, 34, 1, 3, 89, 0, 21, 21, 89, 3, 89, 55, 34], [Mask.causal()]),
 ])
 def test_attention_trimmed_plans(monkeypatch, world_size, lengths, masks):
     """Plans of the balanced planner's trimmed packing (doccp.plan.trims: whole documents packed by

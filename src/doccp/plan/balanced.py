@@ -78,7 +78,7 @@ on one rank and middle on the other, beside whole documents a local search picks
 and the whole documents beside it are sized exactly, which the sequence's cuts cannot do). Last,
 for up to 16 ranks, :mod:`doccp.plan.trims` packs whole documents by density and cuts a short run
 off the heaviest ones where a rank cannot be filled around them, instead of cutting a dense
-document at every rank boundary (sft mix #7, 8 ranks: 0.025 of an all-gather -> 0.0067).
+document at every rank boundary (sft mix #7, 8 ranks: 0.025 of an all-gather -> 0.0039).
 
 The costlier candidates (head-at-back layouts, bisections) are tried only while the best plan
 receives more than the (unbalanced) contiguous split's max KV plus :data:`KV_GOAL` of an

@@ -4,10 +4,9 @@ Where every rank holds many documents (short documents, few ranks), whole docume
 tokens and work by themselves but for a few: a document of 4k tokens can do 90% of a rank's
 work in a quarter of its tokens, and the lightest documents of the layout may not fill the
 rest of that rank within the cap. Under a causal mask a cut costs the rank holding the later
-part the earlier part's length, so the cheap cut takes a short *run* off such a document: its
-head (the holder of the rest receives the head's length), or a run right after a head as long
-as the run, or twice as long (the holder of head and tail receives the run, the run's holder
-the head before it), which sheds more work per key received::
+part the earlier part's length, so the cheap cut takes a short *run* off such a document, right
+after a head about as long as the run: the holder of head and tail receives the run, the run's
+holder the head before it (a head alone would shed a third of the work for as many keys)::
 
     items, densest first (work per token; a trimmed document is two: its run, and the rest)
       -> each to the rank with the most work left per token of room, among those it fits in
@@ -17,7 +16,7 @@ the head before it), which sheds more work per key received::
 
 The sequence plans of :mod:`doccp.plan.balanced` cut a dense document at every rank boundary of
 their front run, and the rank holding its last rows receives the rest (sft layout #7 over 8
-ranks: 2846 keys, where this packing receives 768). Host work: O(items x N) per round, a few
+ranks: 2846 keys, where this packing receives 447). Host work: O(items x N) per round, a few
 rounds, only for at most :data:`TRIM_RANKS` ranks; the search scores the plans with its own.
 """
 
@@ -42,10 +41,13 @@ TRIM_DOCS = 2048
 #: seeded layouts of 131k tokens over 2-16 ranks, those that reach the cap do in at most 8 rounds
 #: but for 7 of 205).
 ROUNDS = 8
-#: Where a run starts, in run lengths after the document's start: 0 is a head; 1 and 2 leave a
-#: head of that many run lengths with the rest (what sheds the most work per key received depends
-#: on what else the ranks hold, so each is a plan of its own).
-RUN_STARTS = (0, 1, 2)
+#: Where a run starts, in run lengths after the document's start: the rest's holder receives the
+#: run, the run's holder the head before it. A run after a head of one run length sheds 3x the
+#: work of a head as long (under a causal mask); which share sheds the most per key the busiest
+#: rank receives depends on what else the ranks hold, so each is a plan of its own (the 160 seeded
+#: layouts of 131k tokens over 2-16 ranks: heads alone (0) receive 0.17 of an all-gather less than
+#: the other candidates in all; 0, 1 and 2: 0.33; these: 0.37).
+RUN_STARTS = (0.75, 1.0, 1.5)
 #: The packing aims this much under the planner's work tolerance (max/mean): its rounds then stop
 #: with room to spare, and reach it more often (the 160 seeded layouts of 131k tokens over 2-16
 #: ranks: 29 plans with less KV than the other candidates', not 26).
@@ -172,18 +174,16 @@ class _Packing:
 
     def grown(self, doc: int, run: tuple[int, int] | None, shed: float, start: float) -> tuple[int, int]:
         """The shortest run starting ``start`` run lengths into the document (or less, to fit) that
-        contains ``run`` and sheds ``shed`` more work than it; the document's rows but its first
-        where none does."""
+        sheds ``shed`` more work than ``run`` (the next packing places the new run and rest afresh,
+        so it need not contain the old run); the document's rows but its first where none does."""
         length = self.length[doc]
         prefix = self.prefix_work(doc)
-        k = torch.arange(1, length + 1)
+        k = torch.arange(1, length)
         a = torch.minimum(torch.round(k * start).long(), length - k)
         b = a + k
-        base = 0.0
         if run is not None:
-            a, b = torch.minimum(a, torch.tensor(run[0])), torch.maximum(b, torch.tensor(run[1]))
-            base = float(prefix[run[1]] - prefix[run[0]])
-        fits = torch.nonzero((prefix[b] - prefix[a] - base >= shed) & (b - a < length)).flatten()
+            shed += float(prefix[run[1]] - prefix[run[0]])
+        fits = torch.nonzero(prefix[b] - prefix[a] >= shed).flatten()
         if not fits.numel():
             return 1, length
         i = int(fits[0])
