@@ -661,6 +661,57 @@ def test_fourth_figure_follows_the_holders_of_the_top_rows():
     assert raised >= 6 and checked >= 24
 
 
+def _without_the_fifth_figure(layout: DocLayout, n: int, mask: Mask, tolerance: float = 1.01) -> int:
+    from doccp.plan import bound
+    together = bound._Figures.together
+    try:
+        bound._Figures.together = lambda self, keys: True
+        return bound.kv_lower_bound(layout, n, mask, tolerance)
+    finally:
+        bound._Figures.together = together
+
+
+#: Layouts where the fifth figure raises the bound, with the least max KV of any plan, solved to
+#: optimality by ``bench/optimum.py`` (a mixed-integer program, HiGHS through SciPy; 60-66 tokens,
+#: too many for exhaustive search): (lengths, ranks, mask, tolerance, optimum).
+SOLVED = [
+    ([22, 22, 3, 3, 3, 3, 3], 3, "causal", 1.01, 11),
+    ([9, 10, 2, 2, 9, 3, 1, 2, 2, 1, 3, 1, 3, 3, 7, 2], 3, "causal", 1.01, 3),
+    ([3, 14, 3, 12, 1, 2, 14, 2, 2, 1, 1, 2, 1, 1, 1], 3, "causal", 1.0, 4),
+    ([1, 18, 3, 6, 3, 3, 1, 1, 1, 18, 7], 3, "causal", 1.01, 8),
+    ([16, 16, 3, 11, 14], 4, "causal", 1.01, 8),
+    ([14, 1, 20, 20, 5], 3, "causal", 1.1, 7),
+    ([2, 1, 28, 28, 1], 2, "full", 1.0, 1),
+    ([3, 1, 24, 1, 24, 3, 6], 2, "full", 1.0, 3),
+    ([10, 1, 3, 2, 1, 2, 1, 10, 3, 3, 10, 5, 8, 1], 4, "causal", 1.01, 4),
+]
+
+
+def test_fifth_figure_weighs_the_heaviest_documents_together():
+    """The module docstring's example: over 3 ranks, two documents of 22 tokens and five of 3. Each
+    long document's holder fits one cap alone, but two such holders need 8 more rows and only 7 rows
+    of the layout cost 1: 8 keys (7 without the fifth figure; the optimum is 11). Where the figure
+    raises the bound, the bound stays at most the optimum a solver found, and on the benchmark's
+    fine-tuning layouts where it raises the bound most (two documents of about 4k tokens, each 90%
+    of a rank's work, over 8 ranks), at most what every balanced plan receives."""
+    from doccp.plan.bound import kv_lower_bound
+    example = DocLayout.from_lengths([22, 22] + [3] * 5)
+    assert _without_the_fifth_figure(example, 3, Mask.causal()) == 7
+    assert kv_lower_bound(example, 3, Mask.causal()) == 8
+    masks = {"causal": Mask.causal(), "full": Mask.full()}
+    for lengths, n, mask, tolerance, optimum in SOLVED:
+        layout = DocLayout.from_lengths(lengths)
+        bound = kv_lower_bound(layout, n, masks[mask], tolerance)
+        assert _without_the_fifth_figure(layout, n, masks[mask], tolerance) < bound <= optimum, (lengths, n, mask)
+    for seed in (0, 4):
+        layout = DocLayout.from_lengths(workloads.layout("sft", 131072, seed))
+        bound = kv_lower_bound(layout, 8, Mask.causal())
+        assert bound > 1.1 * _without_the_fifth_figure(layout, 8, Mask.causal())
+        for strategy in STRATEGIES:
+            s = plan(layout, 8, Mask.causal(), strategy).stats()
+            assert s.imbalance > 1.01 or max(s.kv_recv) >= bound, strategy
+
+
 def test_lower_bound_of_one_document_over_two_ranks():
     """The second figure of the bound (module docstring example) gives 36; the third, 41, and the
     balanced planner's head + tail plan receives exactly that: it is optimal here."""

@@ -62,9 +62,30 @@ document lies on fewer than ``k`` ranks; if fewer cannot hold it, no such plan e
     42 + 15 + 3; higher q cost more. So some rank receives 7 (the third figure gives 6; the
     balanced planner's plan receives 8).
 
+A fifth figure weighs the heaviest documents together, where they compete for the same cheap
+fill. With no rank receiving more than ``K``, the holder ``A_d`` of document ``d``'s last row holds
+at least ``n_d = keys(L_d - 1) - K`` of its rows: its last ``s`` rows and ``n_d - s`` below them
+(``s >= n_d - K``, as in the third figure), at least the least ``own_d`` of those. Where two such
+documents cannot share a rank (their ``own`` and the cheapest fill exceed one cap, or their rows one
+rank's tokens), their holders are distinct ranks: ``h`` of them hold at least ``hF - sum(n_d)`` more
+rows, all different rows, within ``h`` caps. At most ``NK`` of those are *single* rows (each is
+received by another rank, at most ``K`` per rank); the rest are the heavy documents' own rows, at
+their cost, or rows of other documents at no less than their mean (third figure)::
+
+    causal, 3 ranks, 22, 22 and five 3-token documents (F = 19, cap 1.01 * 536 / 3 = 180.45):
+    could no rank receive more than K = 7? Each long document's holder holds its last 8 rows and
+    its first 7 (176, the least of any 15 rows it may hold), and 4 more rows: 176 + 4 fits one cap.
+    Two such documents cannot share a rank (352), and their holders' 8 more rows cost at least 9
+    (only 7 rows of the layout cost 1): 361 > 2 caps. So some rank receives 8 (the other figures
+    give 7).
+
+Allowing more keys does not always make this figure easier to meet (which documents weigh in
+changes with ``K``), so it is bisected upward from the other figures' bound: each ``K`` it rules
+out proves the bound above it, and a ``K`` it misses only leaves the bound lower.
+
 The bound is the largest of these figures over all documents (0 when every document may stay
 whole next to the cheapest fill). Only the mask protocol is used (``pairs`` for the work,
-``row_costs`` for the rows), so it holds for every mask; the other three figures only where
+``row_costs`` for the rows), so it holds for every mask; the other four figures only where
 every row sees its document from key 0 and costs never fall along the document (causal, full).
 It is exact for one document much longer than a rank and 0 when only the packing of many short
 documents forces cuts (where :mod:`bench.plan` reports no ratio). Host cost: O(tokens + distinct
@@ -89,6 +110,9 @@ MAX_RANGES = 1 << 20
 #: the bound): on the benchmark's layouts it rules plans out with 2-4 of them, and each more is one
 #: pass over the document's rows per step of the bisection.
 CHAIN_HOLDERS = 8
+#: Most documents the fifth figure weighs together, heaviest first (weighing fewer never overstates
+#: the bound): each is checked against every one kept before it.
+TOGETHER = 64
 
 
 class _Pool:
@@ -156,13 +180,20 @@ def kv_lower_bound(layout: DocLayout, world_size: int, mask: Mask, tolerance: fl
         return 0
     figures = _Figures(layout, world_size, mask, tolerance)
     bound = figures.largest()
-    if figures.prefix_masked:  # third and fourth figures: the least K every document allows
-        lo, hi = bound, min(figures.total - figures.floor_tokens, figures.longest_top)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if figures.allow(mid) else (mid + 1, hi)
-        bound = lo
+    if figures.prefix_masked:  # third and fourth figures: the least K every document allows; then the fifth
+        most = min(figures.total - figures.floor_tokens, figures.longest_top)
+        bound = _bisect(figures.allow, bound, most)
+        bound = _bisect(figures.together, bound, most)
     return bound
+
+
+def _bisect(allowed, lo: int, hi: int) -> int:
+    """The least ``K`` in ``[lo, hi]`` that ``allowed`` admits, where it is monotone; otherwise
+    some ``K`` above the last it ruled out (each step up is a proof, so still a bound)."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if allowed(mid) else (mid + 1, hi)
+    return lo
 
 
 class _Figures:
@@ -273,6 +304,66 @@ class _Figures:
             if not self._chain_allows(length, keys):
                 return False
         return True
+
+    def together(self, keys: int) -> bool:
+        """Whether the holders of the heaviest documents' last rows fit their caps together in a
+        plan where no rank receives more than ``keys`` keys (fifth figure, module docstring);
+        ``False`` proves that every balanced plan receives more."""
+        heavy = self._apart(self._least_held(keys))
+        if len(heavy) < 2:
+            return True
+        own = torch.cumsum(torch.tensor([w for w, _, _ in heavy], dtype=torch.float64), 0)
+        rows = torch.cumsum(torch.tensor([n for _, n, _ in heavy]), 0)
+        h = torch.arange(1, len(heavy) + 1)
+        single = torch.minimum(h * (self.world_size - 1), torch.full_like(h, self.world_size)) * keys
+        fill = _mixed(self.every_row, self._rest_of(heavy), (h * self.floor_tokens - rows).clamp(min=0), single)
+        return not bool((own + fill > h * self.cap_work).any())
+
+    def _least_held(self, keys: int) -> list[tuple[float, int, int]]:
+        """``(own, n, index)`` per document whose last row sees more than ``keys`` keys: the
+        least ``n`` of its rows the holder of that row holds, and their least work (fifth figure)."""
+        held = []
+        for index, length in self._longest_first():
+            costs = self.costs[length].double()
+            top = int(costs[-1])
+            if top <= keys:
+                break  # (the last row sees no fewer keys in a longer document)
+            rows = top - keys  # its last s rows and rows - s <= keys below them
+            s = torch.arange(max(1, top - 2 * keys), min(rows, length) + 1)
+            if s.numel() == 0 or rows > self.cap_tokens:
+                continue  # (the third figure rules this K out)
+            last = torch.cumsum(costs.flip(0), 0)[s - 1]
+            first = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(costs, 0)])[rows - s]
+            held += [(float((last + first).min()), rows, index)] * int(self.copies[index])
+        return held
+
+    def _apart(self, held: list[tuple[float, int, int]]) -> list[tuple[float, int, int]]:
+        """The heaviest of ``held`` (up to :data:`TOGETHER`), each kept if it can share a rank with
+        none kept before it: its least rows and another's, and the cheapest fill, exceed one rank's
+        tokens or work."""
+        kept: list[tuple[float, int, int]] = []
+        for own, rows, index in sorted(held, key=lambda item: -item[0])[:TOGETHER]:
+            if kept:
+                other = torch.tensor([w for w, _, _ in kept], dtype=torch.float64)
+                both = rows + torch.tensor([n for _, n, _ in kept])
+                fill = self.every_row((self.floor_tokens - both).clamp(min=0))
+                if not bool(((both > self.cap_tokens) | (own + other + fill > self.cap_work)).all()):
+                    continue
+            kept.append((own, rows, index))
+        return kept
+
+    def _rest_of(self, heavy: list[tuple[float, int, int]]) -> _Pool:
+        """Rows the holders of ``heavy`` fill up with besides single rows: those documents' rows at
+        their cost, every other document's at its mean (fifth figure)."""
+        copies = torch.bincount(torch.tensor([index for _, _, index in heavy]),
+                                minlength=self.distinct.numel()).double()
+        own = torch.zeros(self.width, dtype=torch.float64)
+        for index in torch.nonzero(copies).flatten().tolist():
+            own += copies[index] * torch.bincount(self.costs[int(self.distinct[index])], minlength=self.width)
+        cost = torch.cat([self.mean, torch.arange(self.width, dtype=torch.float64)])
+        counts = torch.cat([((self.copies - copies) * self.distinct)[self.by_mean], own])
+        order = torch.argsort(cost, stable=True)
+        return _Pool(cost[order], counts[order])
 
     def _fewest_holders(self, length: int) -> int:
         """The fewest ranks that can hold all of a document of ``length`` tokens, each filled up
