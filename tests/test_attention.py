@@ -343,27 +343,33 @@ def test_attention_two_rank_plans(monkeypatch, lengths):
     check(spawn(run_cases, 2, 2, cases, threads=1), cases, 2)
 
 
-@pytest.mark.parametrize("world_size, lengths, masks", [
-    (3, [34, 34, 13, 8, 13, 5, 8, 8, 21, 21, 3, 1, 0, 1, 5], [Mask.causal()]),
-    (3, [21, 2, 13, 8, 13, 34, 1, 34, 1, 1, 21, 5, 0, 89, 89], [Mask.sliding_window(5)]),
-    (4, [34, 5, 21, 21, 0, 21, 89, 1, 3, 5, 2, 8, 3, 21, 89, 34], [Mask.causal()]),
-    (4, [2, 21, 1, 2, 55, 5, 89, 0, 55, 89, 55, 21, 1, 3, 55], [Mask.sliding_window(5), Mask.chunked(16)]),
-    (5, [89, 89, 34, 55, 34, 21, 1, 55, 34, 55, 13, 0], [Mask.sliding_window(5)]),
-    (5, [3, 13, 34, 1, 3, 89, 0, 21, 21, 89, 3, 89, 55, 34], [Mask.causal()]),
+@pytest.mark.parametrize("world_size, lengths, masks, without", [
+    (3, [34, 34, 13, 8, 13, 5, 8, 8, 21, 21, 3, 1, 0, 1, 5], [Mask.causal()], ("TRIM_RANKS", 0)),
+    (3, [21, 2, 13, 8, 13, 34, 1, 34, 1, 1, 21, 5, 0, 89, 89], [Mask.sliding_window(5)], ("TRIM_RANKS", 0)),
+    (4, [34, 5, 21, 21, 0, 21, 89, 1, 3, 5, 2, 8, 3, 21, 89, 34], [Mask.causal()], ("TRIM_RANKS", 0)),
+    (4, [2, 21, 1, 2, 55, 5, 89, 0, 55, 89, 55, 21, 1, 3, 55], [Mask.sliding_window(5), Mask.chunked(16)],
+     ("TRIM_RANKS", 0)),
+    (5, [89, 89, 34, 55, 34, 21, 1, 55, 34, 55, 13, 0], [Mask.sliding_window(5)], ("TRIM_RANKS", 0)),
+    (5, [3, 13, 34, 1, 3, 89, 0, 21, 21, 89, 3, 89, 55, 34], [Mask.causal()], ("TRIM_RANKS", 0)),
+    # heads cut off beforehand
+    (3, [2, 72, 34, 34, 8, 5, 3, 55, 34, 5, 3, 2, 1, 34, 55], [Mask.causal()], ("HEADS", ())),
+    (5, [55, 3, 3, 21, 0, 13, 5, 5, 3, 34, 21, 34, 3, 8, 55, 82, 89, 3, 13, 21, 13, 21, 34, 1, 13, 0, 8],
+     [Mask.causal()], ("HEADS", ())),
 ])
-def test_attention_trimmed_plans(monkeypatch, world_size, lengths, masks):
+def test_attention_trimmed_plans(monkeypatch, world_size, lengths, masks, without):
     """Plans of the balanced planner's trimmed packing (doccp.plan.trims: whole documents packed by
-    density, a run cut off the heaviest, what fits nowhere cut into the rooms left) at odd and even
-    N, with zero-length and 1-token documents, under causal, sliding-window and chunked masks."""
+    density, a run cut off the heaviest, what fits nowhere cut into the rooms left; heads cut off
+    beforehand) at odd and even N, with zero-length and 1-token documents, under causal,
+    sliding-window and chunked masks."""
     import importlib
     trims = importlib.import_module("doccp.plan.trims")
     layout = DocLayout.from_lengths(lengths)
     trimmed = [max(doccp.plan(layout, world_size, mask).stats().kv_recv) for mask in masks]
     assert all(doccp.plan(layout, world_size, mask).stats().imbalance <= 1.01 for mask in masks)
     with monkeypatch.context() as m:
-        m.setattr(trims, "TRIM_RANKS", 0)
+        m.setattr(trims, *without)
         others = [max(doccp.plan(layout, world_size, mask).stats().kv_recv) for mask in masks]
-    assert all(a < b for a, b in zip(trimmed, others, strict=True))  # the plans under test are trimmed packings
+    assert all(a < b for a, b in zip(trimmed, others, strict=True))  # the plans under test are these packings
     cases = [(lengths, "balanced", mask, algorithm, i)
              for i, (mask, algorithm) in enumerate(itertools.product(masks, ALGORITHMS))]
     check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)

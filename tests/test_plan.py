@@ -999,16 +999,18 @@ def test_trimmed_packings_tile_and_balance():
     documents, N 2-16, causal, sliding-window and chunked masks): the pieces tile every document once,
     every rank holds its even share of the tokens and at most the tolerance's work, and the only
     documents cut are the runs' (at most one per over-worked rank a round) and those cut into the
-    rooms left (at most N - 1 cuts)."""
+    rooms left (at most N - 1 cuts), besides the heads cut off beforehand (at most
+    the most per rank of HEADS, times N - 1)."""
     from doccp.plan.pieces import even_sizes
-    rng, planned, cut_plans, middles = random.Random(0), 0, 0, 0
+    rng, planned, cut_plans, middles, headed = random.Random(0), 0, 0, 0, 0
     for _ in range(120):
         n = rng.randint(2, 16)
         lengths = [rng.choice([0, 1, 2, 5, 13, 40, 100, 200]) for _ in range(rng.randint(30, 160))]
         mask = rng.choice([Mask.causal(), Mask.sliding_window(7), Mask.chunked(32)])
         layout = DocLayout.from_lengths(lengths)
         work = mask.row_work(0, layout.lengths, layout.lengths)
-        plans = trims.trimmed_packings(layout.lengths, work, n, mask, 1.01)
+        plans = [p for heads in (False, True)
+                 for p in trims.trimmed_packings(layout.lengths, work, n, mask, 1.01, heads=heads)]
         planned += bool(plans)
         for p in plans:
             held = torch.zeros(layout.num_tokens, dtype=torch.int64)
@@ -1022,10 +1024,12 @@ def test_trimmed_packings_tile_and_balance():
                 0, p.rank, mask.row_work(p.start, p.end, layout.lengths[p.doc]).double())
             assert float(per_rank.max()) <= 1.01 * float(work.sum()) / n + 1e-6, (lengths, n, str(mask))
             cut = torch.unique(p.doc[p.length < layout.lengths[p.doc]]).numel()
-            assert cut <= trims.ROUNDS * n + n - 1
+            assert cut <= trims.ROUNDS * n + n - 1 + max(k for _, k in trims.HEADS) * (n - 1)
             cut_plans += cut > 0
             middles += bool(((p.start > 0) & (p.end < layout.lengths[p.doc])).any())  # a run after a head
-    assert planned >= 40 and cut_plans >= 15 and middles >= 8  # (what the layouts exercise: 55, 21, 14)
+            headed += bool(((p.start == 0) & (p.end == 8) & (layout.lengths[p.doc] > 32)).any())  # heads of 8
+    # (what the layouts exercise: 56, 61, 32, 37)
+    assert planned >= 40 and cut_plans >= 30 and middles >= 16 and headed >= 20
 
 
 def test_balanced_trims_the_heaviest_documents_where_ranks_share_many(monkeypatch):
@@ -1044,6 +1048,42 @@ def test_balanced_trims_the_heaviest_documents_where_ranks_share_many(monkeypatc
     assert 0.5 <= int(mine.length[0]) / int(mine.length[1]) <= 2  # the head about as long as the run
     monkeypatch.setattr(trims, "TRIM_RANKS", 0)
     assert plan(layout, 8).stats().max_kv_fraction > 0.02
+
+
+def test_balanced_cuts_heads_where_light_documents_are_too_few(monkeypatch):
+    """pretrain mix, layout 3, 4 ranks: 63 documents, the longest of 12.5k tokens. Whole documents
+    and runs leave a rank short of cheap fill (0.023 of an all-gather); with the first 64 rows cut
+    off some of the longest documents beforehand, the heads fill it, and no rank receives more than
+    0.005 (each rest's holder receives its head's 64 keys, spread over the ranks)."""
+    layout = DocLayout.from_lengths(workloads.layout("pretrain", 131072, 3))
+    p = plan(layout, 4)
+    s = p.stats()
+    assert s.imbalance <= 1.01 and max(s.tokens) - min(s.tokens) <= 1 and s.max_kv_fraction <= 0.005
+    pieces = p.stream_pieces
+    heads = pieces.select((pieces.start == 0) & (pieces.end == 64) & (pieces.length < layout.lengths[pieces.doc]))
+    rests = {(int(d), int(r)) for d, r, a in zip(pieces.doc, pieces.rank, pieces.start, strict=True) if int(a) == 64}
+    apart = [int(d) for d, r in zip(heads.doc, heads.rank, strict=True) if (int(d), int(r)) not in rests]
+    assert len(apart) >= 12  # heads away from their rests
+    monkeypatch.setattr(trims, "HEADS", ())
+    assert plan(layout, 4).stats().max_kv_fraction > 0.02
+
+
+def test_heads_come_off_the_longest_documents_the_runs_leave():
+    """Heads come off the ``per_rank * (N - 1)`` longest documents lighter than HEAD_WORK of a rank's
+    work and longer than 4 heads, and stay cut off while a run grows on the heaviest."""
+    lengths = torch.tensor([250, 40, 90, 33, 150, 80, 60, 2, 0, 35] + [20] * 12)
+    work = Mask.causal().row_work(0, lengths, lengths)
+    packing = trims._Packing(lengths, work, 3, Mask.causal(), 1.01)
+    assert float(work[4]) > trims.HEAD_WORK * packing.mean > float(work[2])  # 150 and 250 are too heavy
+    assert packing.heads(8, 1) == {2: (0, 8), 5: (0, 8)}  # 2 ranks but one: 90, 80
+    assert packing.heads(8, 4) == {d: (0, 8) for d in (2, 5, 6, 1, 9, 3)}  # every light one longer than 32
+    assert packing.heads(64, 4) == {}  # none longer than 256
+    heads = packing.heads(8, 4)
+    p = packing.solve(1.0, heads)
+    across = {int(d) for d, a, b in zip(p.doc, p.start, p.end, strict=True) if int(a) < 8 < int(b)}
+    assert not across & set(heads)  # every head cut off at row 8
+    assert bool(((p.doc == 0) & (p.start > 0) & (p.end < 250)).any())  # the heaviest's run
+    assert packing.solve(1.0, {0: (0, 8)}) is None  # with a head, the heaviest grows no run: nothing sheds enough
 
 
 def test_trimmed_packing_grows_the_shortest_run_that_sheds_the_excess():

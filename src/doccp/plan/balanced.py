@@ -263,6 +263,10 @@ NESTED_MIRRORED = (False, True)
 #: best plan receives more than this share of an all-gather (below, few tokens to gain for up to
 #: 100-250 ms of local search on 131k tokens).
 TWO_RANKS_KV = 0.02
+#: The trimmed packing's plans with heads cut off beforehand (:data:`doccp.plan.trims.HEADS`) are
+#: tried where the best plan receives more than this share of an all-gather (below, a few hundred
+#: keys to gain for 10-50 ms of packings on 131k tokens).
+HEADS_KV = 0.01
 
 
 class Chunking(NamedTuple):
@@ -466,6 +470,11 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     # plan receives nothing already.
     if best_score is None or best_score[0] or best_score[1] > 0:
         for result in scored(trimmed_packings(lengths, doc_work, n, mask, TOLERANCE)):
+            if best_score is None or _better(result[1], best_score):
+                best, best_score = result[0], result[1]
+    # ... and with heads cut off beforehand, where the best plan still receives much.
+    if best_score is None or best_score[0] or best_score[1] > HEADS_KV * allgather:
+        for result in scored(trimmed_packings(lengths, doc_work, n, mask, TOLERANCE, heads=True)):
             if best_score is None or _better(result[1], best_score):
                 best, best_score = result[0], result[1]
     # No balanced plan: tiny layouts (a few documents of a few tokens per rank) can defeat the

@@ -14,15 +14,25 @@ holder the head before it (a head alone would shed a third of the work for as ma
     a rank over the cap -> the run of the document it holds most of grows by that much work;
                            packed again (at most ROUNDS times)
 
+Where the lightest documents are too few to fill the rank around a heavy document, *heads* are:
+cut the first few rows off some of the longest documents beforehand, and the packing places each
+head and rest on its own; the heads, the lightest items of all, go where work is short. A head of
+``h`` rows costs its rest's holder ``h`` keys, but does a fraction of the work of as many rows of
+a whole document; one plan per head length and number of heads (:data:`HEADS`), the runs then
+grown as above (pretrain layout #3 over 4 ranks: 2256 keys with runs alone, 414 with 18 heads of
+64 rows).
+
 The sequence plans of :mod:`doccp.plan.balanced` cut a dense document at every rank boundary of
 their front run, and the rank holding its last rows receives the rest (sft layout #7 over 8
 ranks: 2846 keys, where this packing receives 447). Host work: O(items x N) per round, a few
-rounds, only for at most :data:`TRIM_RANKS` ranks; the search scores the plans with its own.
+rounds, only for at most :data:`TRIM_RANKS` ranks (and the heads' plans for at most
+:data:`HEAD_DOCS` documents); the search scores the plans with its own.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 
 import torch
 
@@ -52,23 +62,41 @@ RUN_STARTS = (0.75, 1.0, 1.5)
 #: with room to spare, and reach it more often (the 160 seeded layouts of 131k tokens over 2-16
 #: ranks: 29 plans with less KV than the other candidates', not 26).
 CAP_SLACK = 0.002
+#: Heads cut off beforehand, one plan each: (rows per head, heads per rank but one). Short heads
+#: where a little cheap fill is missing, long ones where much is; each rank then holds about that
+#: many rests whose heads may lie elsewhere. (Of (8, 64) x (1, 4, 8) on the seeded layouts of 131k
+#: tokens over 2-16 ranks, these three find every plan that receives less than the runs alone.)
+HEADS = ((8, 4), (64, 4), (64, 8))
+#: Documents doing more than this share of a rank's work keep their first rows: they are the ones
+#: runs trim.
+HEAD_WORK = 0.25
+#: Most documents the heads' plans are tried for (3 more packings of a few rounds each, 1-20 ms
+#: apiece on 131k tokens): at 1M tokens, 1500 documents, the runs alone find plans that receive
+#: almost nothing.
+HEAD_DOCS = 512
 
 
 def trimmed_packings(lengths: torch.Tensor, doc_work: torch.Tensor, world_size: int, mask: Mask,
-                     tolerance: float) -> list[Pieces]:
+                     tolerance: float, heads: bool = False) -> list[Pieces]:
     """The packing's plan if every document stays whole, else one plan per run start
     (:data:`RUN_STARTS`) whose runs bring every rank within ``tolerance`` (max/mean work);
-    ``doc_work``: every document's work under ``mask``."""
-    n, total = world_size, int(lengths.sum())
-    if n < 2 or n > TRIM_RANKS or total == 0 or mask.looks_ahead or lengths.numel() > TRIM_DOCS:
+    ``doc_work``: every document's work under ``mask``. ``heads``: instead, one plan per way to cut
+    heads off beforehand (:data:`HEADS`), for at most :data:`HEAD_DOCS` documents."""
+    n, total, most_docs = world_size, int(lengths.sum()), HEAD_DOCS if heads else TRIM_DOCS
+    if n < 2 or n > TRIM_RANKS or total == 0 or mask.looks_ahead or lengths.numel() > most_docs:
         return []
     if int(lengths.max()) > total // n:
         return []  # a document longer than a rank spans ranks: not this shape
     packing = _Packing(lengths, doc_work, n, mask, tolerance)
-    pieces, over = packing.balanced({})
-    if pieces is not None:
-        return [pieces]
-    return [p for p in (packing.solve(start, over) for start in RUN_STARTS) if p is not None]
+    if heads:
+        cuts = {tuple(packing.heads(rows, per_rank).items()) for rows, per_rank in HEADS}
+        plans = [packing.solve(1.0, dict(cut)) for cut in sorted(cuts) if cut]
+    else:
+        pieces, over = packing.balanced({})
+        if pieces is not None:
+            return [pieces]
+        plans = [packing.solve(start, {}, over) for start in RUN_STARTS]
+    return [p for p in plans if p is not None]
 
 
 class _Packing:
@@ -108,11 +136,23 @@ class _Packing:
         over = (work - self.cap).tolist()
         return (Pieces(rank, doc, a, b), ()) if max(over) <= 0 else (None, (over, pieces))
 
-    def solve(self, start: float, packed: tuple) -> Pieces | None:
-        """Runs starting ``start`` run lengths into their documents, grown from the whole documents'
-        packing (``packed``: its excess and pieces, of :meth:`balanced`) a round at a time until no
-        rank is over the cap; None after :data:`ROUNDS`, or once a round leaves no less excess."""
-        runs: dict[int, tuple[int, int]] = {}  # doc -> its run [a, b)
+    def heads(self, rows: int, per_rank: int) -> dict[int, tuple[int, int]]:
+        """``doc -> (0, rows)``: heads to cut off the ``per_rank * (N - 1)`` longest documents lighter
+        than :data:`HEAD_WORK` of a rank's work and longer than ``4 * rows`` (as runs at row 0)."""
+        light = (d for _, d in sorted((-size, d) for d, size in enumerate(self.length))
+                 if self.work[d] < HEAD_WORK * self.mean and self.length[d] > 4 * rows)
+        return {d: (0, rows) for d in itertools.islice(light, per_rank * (self.n - 1))}
+
+    def solve(self, start: float, heads: dict[int, tuple[int, int]], packed: tuple = ()) -> Pieces | None:
+        """Runs starting ``start`` run lengths into their documents, grown from the packing with
+        ``heads`` cut off (``packed``: its excess and pieces, of :meth:`balanced`, where known) a
+        round at a time until no rank is over the cap; None after :data:`ROUNDS`, or once a round
+        leaves no less excess. Documents with a head keep it, and grow no run."""
+        runs = dict(heads)  # doc -> its run [a, b)
+        if not packed:
+            result, packed = self.balanced(runs)
+            if result is not None:
+                return result
         excess = float("inf")
         for _ in range(ROUNDS):
             (over, pieces), before = packed, excess
@@ -121,7 +161,7 @@ class _Packing:
                 return None
             held: dict[tuple[int, int], int] = {}
             for r, d, x, y in pieces:
-                if self.length[d] > 1:  # (a document of one row has no run to cut off)
+                if self.length[d] > 1 and d not in heads:  # (a document of one row has no run to cut off)
                     held[r, d] = held.get((r, d), 0) + y - x
             for r in (r for r in range(self.n) if over[r] > 0):
                 mine = [d for rr, d in held if rr == r]
