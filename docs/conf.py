@@ -148,8 +148,8 @@ def _resolve_alias(app, env, node, contnode):
     if not target.startswith("doccp."):
         return None
     obj = _lookup(target)
-    if obj is None:
-        return None
+    if obj is None or not (isinstance(obj, type(doccp)) or hasattr(obj, "__qualname__")):
+        return None  # (data, such as a module's constants, is documented where it is defined)
     canonical = canonical_name(obj)
     if canonical == target:
         return None
