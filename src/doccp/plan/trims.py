@@ -109,6 +109,7 @@ class _Packing:
         self.mean = sum(self.work) / n
         self.cap = (tolerance - CAP_SLACK) * self.mean
         self._prefix: dict[int, torch.Tensor] = {}
+        self._prefix_rows: dict[int, list[float]] = {}
         # whole documents, densest first (each packing merges the trimmed ones' items in)
         self.whole = sorted((-w / size, d, ((0, size),), w, size)
                             for d, (w, size) in enumerate(zip(self.work, self.length, strict=True)) if size)
@@ -123,8 +124,10 @@ class _Packing:
     def range_work(self, doc: int, a: int, b: int) -> float:
         if a == 0 and b == self.length[doc]:
             return self.work[doc]
-        prefix = self.prefix_work(doc)
-        return float(prefix[b] - prefix[a])
+        if doc not in self._prefix_rows:  # (a list: a packing reads a few entries of many documents)
+            self._prefix_rows[doc] = self.prefix_work(doc).tolist()
+        prefix = self._prefix_rows[doc]
+        return prefix[b] - prefix[a]
 
     def balanced(self, runs: dict[int, tuple[int, int]]) -> tuple[Pieces | None, tuple]:
         """The packing with these runs cut off: its pieces if no rank is over the cap, else each
@@ -186,19 +189,19 @@ class _Packing:
                 trimmed.append((-w / size, d, ranges, w, size))
         items = heapq.merge((item for item in self.whole if item[1] not in runs), sorted(trimmed))
         room, work = list(self.sizes), [0.0] * n
+        density = [target / size if size else 0.0 for size in room]  # work left per token of room
         pieces, left = [], []
         for _, d, ranges, w, size in items:
             best, best_density = -1, 0.0
             for r in range(n):
-                if room[r] >= size:
-                    density = (target - work[r]) / room[r]
-                    if best < 0 or density > best_density:
-                        best, best_density = r, density
+                if room[r] >= size and (best < 0 or density[r] > best_density):
+                    best, best_density = r, density[r]
             if best < 0:
                 left += [(self.range_work(d, a, b) / (b - a), d, a, b) for a, b in ranges]
                 continue
             room[best] -= size
             work[best] += w
+            density[best] = (target - work[best]) / room[best] if room[best] else 0.0
             pieces += [(best, d, a, b) for a, b in ranges]
         left.sort()
         r = 0
