@@ -265,7 +265,7 @@ NESTED_MIRRORED = (False, True)
 TWO_RANKS_KV = 0.02
 #: The trimmed packing's plans with heads cut off beforehand (:data:`doccp.plan.trims.HEADS`) are
 #: tried where the best plan receives more than this share of an all-gather (below, a few hundred
-#: keys to gain for 10-50 ms of packings on 131k tokens).
+#: keys to gain for 5-30 ms of packings on 131k tokens).
 HEADS_KV = 0.01
 
 

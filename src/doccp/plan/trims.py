@@ -70,7 +70,7 @@ HEADS = ((8, 4), (64, 4), (64, 8))
 #: Documents doing more than this share of a rank's work keep their first rows: they are the ones
 #: runs trim.
 HEAD_WORK = 0.25
-#: Most documents the heads' plans are tried for (3 more packings of a few rounds each, 1-20 ms
+#: Most documents the heads' plans are tried for (3 more packings of a few rounds each, 1-10 ms
 #: apiece on 131k tokens): at 1M tokens, 1500 documents, the runs alone find plans that receive
 #: almost nothing.
 HEAD_DOCS = 512
@@ -110,6 +110,8 @@ class _Packing:
         self.cap = (tolerance - CAP_SLACK) * self.mean
         self._prefix: dict[int, torch.Tensor] = {}
         self._prefix_rows: dict[int, list[float]] = {}
+        self._runs: dict[tuple[int, float], tuple[list[int], torch.Tensor]] = {}
+        self._items: dict[tuple[int, tuple[int, int]], tuple[tuple, tuple]] = {}
         # whole documents, densest first (each packing merges the trimmed ones' items in)
         self.whole = sorted((-w / size, d, ((0, size),), w, size)
                             for d, (w, size) in enumerate(zip(self.work, self.length, strict=True)) if size)
@@ -181,13 +183,8 @@ class _Packing:
         as its run and the rest, head and tail together) densest first, each to the rank with the
         most work left per token of room that it fits in; the rest cut into the rooms left."""
         n, target = self.n, self.mean
-        trimmed = []
-        for d, (a, b) in runs.items():
-            rest = tuple((x, y) for x, y in ((0, a), (b, self.length[d])) if y > x)
-            for ranges in (rest, ((a, b),)):
-                w, size = sum(self.range_work(d, x, y) for x, y in ranges), sum(y - x for x, y in ranges)
-                trimmed.append((-w / size, d, ranges, w, size))
-        items = heapq.merge((item for item in self.whole if item[1] not in runs), sorted(trimmed))
+        trimmed = sorted(item for d, run in runs.items() for item in self.trimmed(d, run))
+        items = heapq.merge((item for item in self.whole if item[1] not in runs), trimmed)
         room, work = list(self.sizes), [0.0] * n
         density = [target / size if size else 0.0 for size in room]  # work left per token of room
         pieces, left = [], []
@@ -215,19 +212,31 @@ class _Packing:
                 a += take
         return pieces
 
+    def trimmed(self, doc: int, run: tuple[int, int]) -> tuple[tuple, tuple]:
+        """The items of a document with ``run`` cut off: the rest (head and tail together) and the
+        run (cached: a packing's rounds keep most runs, and heads, as they are)."""
+        if (doc, run) not in self._items:
+            a, b = run
+            rest = tuple((x, y) for x, y in ((0, a), (b, self.length[doc])) if y > x)
+            items = []
+            for ranges in (rest, (run,)):
+                w, size = sum(self.range_work(doc, x, y) for x, y in ranges), sum(y - x for x, y in ranges)
+                items.append((-w / size, doc, ranges, w, size))
+            self._items[doc, run] = tuple(items)
+        return self._items[doc, run]
+
     def grown(self, doc: int, run: tuple[int, int] | None, shed: float, start: float) -> tuple[int, int]:
         """The shortest run starting ``start`` run lengths into the document (or less, to fit) that
         sheds ``shed`` more work than ``run`` (the next packing places the new run and rest afresh,
         so it need not contain the old run); the document's rows but its first where none does."""
         length = self.length[doc]
-        prefix = self.prefix_work(doc)
-        k = torch.arange(1, length)
-        a = torch.minimum(torch.round(k * start).long(), length - k)
-        b = a + k
+        if (doc, start) not in self._runs:  # every run of k = 1 .. L - 1 rows: where it starts, and the
+            prefix = self.prefix_work(doc)  # most work any of the first k sheds (rises with k)
+            k = torch.arange(1, length)
+            a = torch.minimum(torch.round(k * start).long(), length - k)
+            self._runs[doc, start] = a.tolist(), torch.cummax(prefix[a + k] - prefix[a], 0).values
+        starts, most = self._runs[doc, start]
         if run is not None:
-            shed += float(prefix[run[1]] - prefix[run[0]])
-        fits = torch.nonzero(prefix[b] - prefix[a] >= shed).flatten()
-        if not fits.numel():
-            return 1, length
-        i = int(fits[0])
-        return int(a[i]), int(b[i])
+            shed += self.range_work(doc, *run)
+        k = int(torch.searchsorted(most, shed)) + 1  # the first run that sheds it
+        return (starts[k - 1], starts[k - 1] + k) if k < length else (1, length)
