@@ -222,11 +222,20 @@ def _from_bisection(lengths: list[int], n: int, mask: Mask, late: bool | None = 
 def test_attention_bisection_plans(world_size, lengths, masks, late):
     """Plans of the recursive bisection (big documents on groups of ranks, heads and tails
     together; ``late``: heads split off only in groups of two ranks) at odd N, with zero-length
-    and 1-token documents."""
-    assert all(_from_bisection(lengths, world_size, mask, late) for mask in masks)  # the plans under test
+    and 1-token documents. (The search's plans are the bisection's; the ranks run them polished,
+    doccp.plan.polish, which only shifts their cuts.)"""
+    with pytest.MonkeyPatch.context() as m:
+        _unpolished(m)
+        assert all(_from_bisection(lengths, world_size, mask, late) for mask in masks)  # the plans under test
     cases = [(lengths, "balanced", mask, algorithm, i)
              for i, (mask, algorithm) in enumerate(itertools.product(masks, ALGORITHMS))]
     check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
+
+
+def _unpolished(monkeypatch) -> None:
+    """The balanced search's plans as it leaves them, in this process: the polish off."""
+    import importlib
+    monkeypatch.setattr(importlib.import_module("doccp.plan.balanced"), "polish", lambda pieces, n, cap: pieces)
 
 
 def _assert_not_trimmed(monkeypatch, layout: DocLayout, n: int, masks: list[Mask]) -> None:
@@ -310,14 +319,15 @@ def test_attention_nested_plans_of_the_heaviest_alone(monkeypatch, world_size, l
     import importlib
     balanced = importlib.import_module("doccp.plan.balanced")
     layout = DocLayout.from_lengths(lengths)
-    nested = max(doccp.plan(layout, world_size).stats().kv_recv)
     every = balanced._nested_plan
 
     def all_or_none(layout, n, mask, whole, work, docs, *args, **kwargs):
         alone = len(docs) == 1 and int((~whole & (layout.lengths > 0)).sum()) > 1
         return None if alone else every(layout, n, mask, whole, work, docs, *args, **kwargs)
 
-    with monkeypatch.context() as m:
+    with monkeypatch.context() as m:  # the search's plans (the ranks run them polished: cuts shifted)
+        _unpolished(m)
+        nested = max(doccp.plan(layout, world_size).stats().kv_recv)
         m.setattr(balanced, "_nested_plan", all_or_none)
         assert nested < max(doccp.plan(layout, world_size).stats().kv_recv)  # the plans under test
     cases = [(lengths, "balanced", Mask.causal(), algorithm, i) for i, algorithm in enumerate(ALGORITHMS)]
@@ -332,10 +342,11 @@ def test_attention_two_rank_plans(monkeypatch, lengths):
     import importlib
     balanced = importlib.import_module("doccp.plan.balanced")
     layout = DocLayout.from_lengths(lengths)
-    s = doccp.plan(layout, 2).stats()
-    assert s.imbalance <= 1.01
+    assert doccp.plan(layout, 2).stats().imbalance <= 1.01
     _assert_not_trimmed(monkeypatch, layout, 2, [Mask.causal()])
-    with monkeypatch.context() as m:
+    with monkeypatch.context() as m:  # the search's plans (the ranks run them polished: cuts shifted)
+        _unpolished(m)
+        s = doccp.plan(layout, 2).stats()
         m.setattr(importlib.import_module("doccp.plan.trims"), "TRIM_RANKS", 0)  # (it ties the first)
         m.setattr(balanced, "TWO_RANKS_KV", float("inf"))
         assert max(s.kv_recv) < max(doccp.plan(layout, 2).stats().kv_recv)  # the plans under test
@@ -372,6 +383,26 @@ def test_attention_trimmed_plans(monkeypatch, world_size, lengths, masks, withou
     assert all(a < b for a, b in zip(trimmed, others, strict=True))  # the plans under test are these packings
     cases = [(lengths, "balanced", mask, algorithm, i)
              for i, (mask, algorithm) in enumerate(itertools.product(masks, ALGORITHMS))]
+    check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
+
+
+@pytest.mark.parametrize("world_size, lengths", [
+    (3, [1, 1, 89, 0, 8, 144, 13]),
+    (3, [21, 0, 0, 144, 1, 3, 1, 144]),
+    (5, [1, 0, 1, 8, 55, 55, 144]),
+])
+def test_attention_polished_plans(monkeypatch, world_size, lengths):
+    """Plans the polish changed (doccp.plan.polish: rows of cut documents traded between two ranks)
+    at odd N, with zero-length and 1-token documents, causal (the polish runs under no other mask)."""
+    import importlib
+    balanced = importlib.import_module("doccp.plan.balanced")
+    layout = DocLayout.from_lengths(lengths)
+    s = doccp.plan(layout, world_size).stats()
+    assert s.imbalance <= 1.01
+    with monkeypatch.context() as m:
+        m.setattr(balanced, "polish", lambda pieces, n, cap: pieces)
+        assert max(s.kv_recv) < max(doccp.plan(layout, world_size).stats().kv_recv)  # the plans under test
+    cases = [(lengths, "balanced", Mask.causal(), algorithm, i) for i, algorithm in enumerate(ALGORITHMS)]
     check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
 
 

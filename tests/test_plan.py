@@ -11,6 +11,7 @@ import importlib.util
 import itertools
 import random
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,13 @@ masks = st.one_of(
     st.builds(Mask.sliding_window, st.integers(0, 9), st.integers(0, 4)),
     st.builds(Mask, st.none() | st.integers(0, 9), st.none() | st.integers(0, 9)),
 )
+
+
+@pytest.fixture
+def unpolished(monkeypatch):
+    """The search's own plans, the polish (:mod:`doccp.plan.polish`) off: for tests that pin which
+    of its candidates wins and what that plan receives."""
+    monkeypatch.setattr(balanced, "polish", lambda pieces, n, cap: pieces)
 
 
 @st.composite
@@ -878,7 +886,7 @@ def test_plans_scored_in_one_pass_get_their_own_scores(monkeypatch):
             assert all(torch.equal(a, b) for (_, a), (_, b) in zip(together, alone, strict=True))
 
 
-def test_matched_packing_leaves_every_rank_the_reserves_density(monkeypatch):
+def test_matched_packing_leaves_every_rank_the_reserves_density(monkeypatch, unpolished):
     """Packed most-work-first, some ranks are left many tokens to fill with little work and others
     the reverse (sft, 4 ranks, layout 3: 48 to 10,891 work per token needed of a reserve of 98),
     which no share of one reserve fills. Matched, each rank is left needing about the reserve's own
@@ -1050,7 +1058,7 @@ def test_balanced_trims_the_heaviest_documents_where_ranks_share_many(monkeypatc
     assert plan(layout, 8).stats().max_kv_fraction > 0.02
 
 
-def test_balanced_cuts_heads_where_light_documents_are_too_few(monkeypatch):
+def test_balanced_cuts_heads_where_light_documents_are_too_few(monkeypatch, unpolished):
     """pretrain mix, layout 3, 4 ranks: 63 documents, the longest of 12.5k tokens. Whole documents
     and runs leave a rank short of cheap fill (0.023 of an all-gather); with the first 64 rows cut
     off some of the longest documents beforehand, the heads fill it, and no rank receives more than
@@ -1153,12 +1161,13 @@ def test_balanced_falls_back_to_head_tail_only_where_nothing_else_balances():
     assert readme.pieces(0) != plan(readme.layout, 4, Mask.causal(), "head_tail").pieces(0)
 
 
-def test_packings_never_lose_a_plan_the_search_finds(monkeypatch):
+def test_packings_never_lose_a_plan_the_search_finds(monkeypatch, unpolished):
     """The packings compete with the search's best at its end, never end it early: with them the
     plan scores at least as well as the search's alone (on a long-mix layout where a packing that
     cut no short document once stopped the search before a pinning pass found 20% less KV, and on
     small batches of every mix). The two-rank candidate is off: it runs only while the best plan
-    receives more than TWO_RANKS_KV of an all-gather, which a packing may already beat by itself."""
+    receives more than TWO_RANKS_KV of an all-gather, which a packing may already beat by itself;
+    and so is the polish (``unpolished``), which starts from whichever plan the search ends with."""
     monkeypatch.setattr(balanced, "TWO_RANKS_KV", float("inf"))
     cases = [(workloads.layout("long", 131072, 11), 3)]
     cases += [(workloads.layout(mix, 8192, i), n) for mix in workloads.MIXES for i in range(2) for n in (2, 3, 5, 8)]
@@ -1174,7 +1183,7 @@ def test_packings_never_lose_a_plan_the_search_finds(monkeypatch):
 
 @pytest.mark.parametrize(("mix", "n", "index", "before"), [
     ("pretrain", 2, 9, 0.116), ("lognormal", 2, 3, 0.019), ("sft", 2, 4, 0.021), ("sft", 4, 0, 0.020)])
-def test_balanced_packs_documents_whole_where_few_ranks_share_many(monkeypatch, mix, n, index, before):
+def test_balanced_packs_documents_whole_where_few_ranks_share_many(monkeypatch, unpolished, mix, n, index, before):
     """With few ranks, whole documents packed onto the ranks balance them, and the sequence shares
     out only a reserve of short ones: the KV falls to a fraction of a percent of an all-gather
     (``before``: the sequence plans alone, checked with the packings off)."""
@@ -1280,7 +1289,7 @@ def test_nested_parts_of_a_dominant_document():
     assert int((top - held).max()) <= 0.49 * (layout.num_tokens - layout.num_tokens // n)
 
 
-def test_balanced_pins_the_nested_parts_of_a_dominant_document(monkeypatch):
+def test_balanced_pins_the_nested_parts_of_a_dominant_document(monkeypatch, unpolished):
     """The same layout planned: the nested parts pinned, the other documents packed around them (the
     same plan whether its configurations are solved in one pass or one at a time)."""
     layout = DocLayout.from_lengths(workloads.layout("pareto", 131072, 0))
@@ -1666,7 +1675,7 @@ def test_nested_parts_sized_for_lighter_fills(monkeypatch):
         assert plan(layout, 2).stats().max_kv_fraction == pytest.approx(0.2947, abs=0.0005)
 
 
-def test_nested_parts_mirrored_keep_the_outermost_holder_off_the_cut_documents():
+def test_nested_parts_mirrored_keep_the_outermost_holder_off_the_cut_documents(unpolished):
     """Pareto mix, 131k tokens over 3 ranks, layout 5: pinned from rank 0, the outermost holder of
     the big document's parts (which receives the most of it) is also the rank that takes the last
     rows of the densest documents the sequence cuts; mirrored, from rank 2 down, the two receivers
@@ -1685,7 +1694,7 @@ def test_nested_parts_mirrored_keep_the_outermost_holder_off_the_cut_documents()
         assert plan(layout, 3).stats().max_kv_fraction == pytest.approx(0.1119, abs=0.0005)
 
 
-def test_nested_parts_of_the_heaviest_alone_where_all_do_not_fit():
+def test_nested_parts_of_the_heaviest_alone_where_all_do_not_fit(unpolished):
     """Long mix #1 over 4 ranks: two documents of 2.4 and 1.7 ranks' work, which do not fit nested
     on ranks of their own (5 ranks' worth). The heaviest one's nested parts alone, the other shared
     out around them by the sequence: 0.611 of an all-gather instead of 0.663, still balanced."""
@@ -1706,7 +1715,7 @@ def test_nested_parts_of_the_heaviest_alone_where_all_do_not_fit():
         assert plan(layout, n).stats().max_kv_fraction == pytest.approx(0.6628, abs=0.0005)
 
 
-def test_nested_parts_of_several_documents_on_ranks_of_their_own(monkeypatch):
+def test_nested_parts_of_several_documents_on_ranks_of_their_own(monkeypatch, unpolished):
     """Pareto mix, 32k tokens over 4 ranks: two documents too big to stay whole. Their nested parts
     pinned together, the heavier one's from rank 0 and the other's from the rank after its last (or
     all mirrored, from rank N - 1 down): the plan receives 0.061 of an all-gather instead of 0.108,
@@ -1728,3 +1737,81 @@ def test_nested_parts_of_several_documents_on_ranks_of_their_own(monkeypatch):
     with pytest.MonkeyPatch.context() as m:
         m.setattr(balanced, "NESTED_DOCS", 1)
         assert plan(layout, 4).stats().max_kv_fraction == pytest.approx(0.1084, abs=0.0005)
+
+
+polish_module = importlib.import_module("doccp.plan.polish")
+plan_package = importlib.import_module("doccp.plan")
+
+
+def test_polish_trades_rows_between_two_ranks():
+    """The module docstring's example, by hand: a 100- and a 60-token document over 2 ranks. Rank 0
+    holds A's head and tail and B's head and receives A's middle (50 keys), rank 1 receives A's head
+    and B's head (46). Moving A's head boundary up by 16 and B's boundary down by 16 gives rank 0 A's
+    rows 16-31 (work 392) for B's rows 14-29 (360): it receives 34, within the cap; rank 1 still 46."""
+    layout = DocLayout.from_lengths([100, 60])
+    before = Pieces.of([0, 1, 0, 0, 1], [0, 0, 0, 1, 1], [0, 16, 66, 0, 30], [16, 66, 100, 30, 60])
+    assert Plan(layout, 2, Mask.causal(), "balanced", before).kv_received == [50, 46]
+    after = polish_module.polish(before, 2, 1.01 * 3440)
+    polished = Plan(layout, 2, Mask.causal(), "balanced", after.stream_normalized())
+    assert polished.pieces(0) == [(0, 0, 32), (0, 66, 100), (1, 0, 14)]
+    assert polished.pieces(1) == [(0, 32, 66), (1, 14, 60)]
+    assert polished.kv_received == [34, 46] and polished.work == [3472, 3408]
+    # a cap below 3472 allows only part of the shift: rank 0 then receives more than 34
+    tight = Plan(layout, 2, Mask.causal(), "balanced", polish_module.polish(before, 2, 3460).stream_normalized())
+    assert max(tight.work) <= 3460 and 34 < tight.kv_received[0] <= 46
+
+
+def test_polish_keeps_tokens_cuts_and_balance_and_never_raises_the_max_kv():
+    """On the search's own plans of small batches of every mix (2-8 ranks): a polished plan still
+    tiles the stream, gives every rank the same tokens, cuts no document the plan did not cut, keeps
+    every rank's work within the cap and receives at most the plan's max KV; on most layouts less."""
+    mask, lowered = Mask.causal(), 0
+    for mix in workloads.MIXES:
+        for index in range(3):
+            lengths = workloads.layout(mix, 8192, index)
+            layout = DocLayout.from_lengths(lengths)
+            for n in (2, 3, 5, 8):
+                with pytest.MonkeyPatch.context() as m:
+                    m.setattr(balanced, "polish", lambda pieces, n, cap: pieces)
+                    before = plan(layout, n)
+                cap = 1.01 * sum(before.work) / n
+                after = Plan(layout, n, mask, "balanced",
+                             polish_module.polish(before.stream_pieces, n, cap).stream_normalized())
+                assert plan_package._partitions(after), (mix, index, n)
+                assert after.local_sizes == before.local_sizes
+                assert max(after.work) <= max(cap, max(before.work))
+                assert max(after.kv_received) <= max(before.kv_received)
+                cut = [{d for d, k in Counter(p.stream_pieces.doc.tolist()).items() if k > 1} for p in (before, after)]
+                assert cut[1] <= cut[0]
+                lowered += max(after.kv_received) < max(before.kv_received)
+    assert lowered >= 10, lowered
+
+
+def test_balanced_polishes_its_plan(unpolished):
+    """Long mix #1 over 4 ranks (two documents of 2.4 and 1.7 ranks' work): the search's plan
+    receives 0.611 of an all-gather; polished, 0.566 or less (the bound: 0.556), still balanced."""
+    layout = DocLayout.from_lengths(workloads.layouts("long", 131072, 8)[1])
+    assert plan(layout, 4).stats().max_kv_fraction == pytest.approx(0.6108, abs=0.0005)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(balanced, "polish", polish_module.polish)
+        s = plan(layout, 4).stats()
+    assert s.imbalance <= 1.01 and max(s.tokens) - min(s.tokens) <= 1
+    assert s.max_kv_fraction <= 0.566, s.max_kv_fraction
+
+
+def test_polish_gives_a_whole_document_for_rows_of_a_cut_one():
+    """Lengths 2, 13, 8, 3, 8 and 1 over 3 ranks: rank 1 receives 8 keys (5 of the 13-token document,
+    3 of the 8-token one, whose first 3 rows rank 2 holds). It gives its whole 3-token document to
+    rank 2 for those 3 rows (6 pairs each way): it then holds the document's first 5 rows and
+    receives 5, as every rank does; the 8-token document is cut in two pieces, not three."""
+    layout = DocLayout.from_lengths([2, 13, 8, 3, 8, 1])
+    before = Pieces.of([1, 2, 1, 2, 0, 1, 2, 1, 0, 0], [0, 1, 1, 1, 2, 3, 4, 4, 4, 5],
+                       [0, 0, 5, 10, 0, 0, 0, 3, 5, 0], [2, 5, 10, 13, 8, 3, 3, 5, 8, 1])
+    original = Plan(layout, 3, Mask.causal(), "balanced", before)
+    assert original.kv_received == [5, 8, 5] and original.work == [58, 58, 57]
+    after = Plan(layout, 3, Mask.causal(), "balanced",
+                 polish_module.polish(before, 3, 1.01 * 173 / 3).stream_normalized())
+    assert after.pieces(0) == original.pieces(0)
+    assert after.pieces(1) == [(0, 0, 2), (1, 5, 10), (4, 0, 5)]
+    assert after.pieces(2) == [(1, 0, 5), (1, 10, 13), (3, 0, 3)]
+    assert after.kv_received == [5, 5, 5] and after.work == [58, 58, 57]
