@@ -1815,3 +1815,16 @@ def test_polish_gives_a_whole_document_for_rows_of_a_cut_one():
     assert after.pieces(1) == [(0, 0, 2), (1, 5, 10), (4, 0, 5)]
     assert after.pieces(2) == [(1, 0, 5), (1, 10, 13), (3, 0, 3)]
     assert after.kv_received == [5, 5, 5] and after.work == [58, 58, 57]
+
+
+def test_balanced_polish_below_the_gain_keeps_the_balance():
+    """Lognormal, 1M tokens over 64 ranks: a polish within the tolerance saves under 1% of the max
+    KV (30 of 6074 keys, for an imbalance of 1.0039 -> 1.0098), so the plan is polished within its
+    own busiest rank's work instead: fewer keys, the same max work."""
+    layout = DocLayout.from_lengths(workloads.layout("lognormal", 1 << 20, 0))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(balanced, "polish", lambda pieces, n, cap: pieces)
+        before = plan(layout, 64).stats()
+    after = plan(layout, 64).stats()
+    assert max(after.kv_recv) < max(before.kv_recv) and max(after.kv_recv) > 0.99 * max(before.kv_recv)
+    assert max(after.work) <= max(before.work)

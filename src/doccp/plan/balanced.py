@@ -81,7 +81,8 @@ off the heaviest ones where a rank cannot be filled around them, instead of cutt
 document at every rank boundary (sft mix #7, 8 ranks: 0.025 of an all-gather -> 0.0039). Under a
 causal mask the best plan is then *polished* (:mod:`doccp.plan.polish`): rows of its cut documents
 traded between pairs of ranks, where that lowers the max KV within the work tolerance (kept where
-it saves :data:`POLISH_GAIN` of it at least).
+it saves :data:`POLISH_GAIN` of it at least; else within the busiest rank's work, which costs no
+balance).
 
 The costlier candidates (head-at-back layouts, bisections) are tried only while the best plan
 receives more than the (unbalanced) contiguous split's max KV plus :data:`KV_GOAL` of an
@@ -274,10 +275,11 @@ HEADS_KV = 0.01
 #: Work cap (a share of the mean) of the ranks a polish trades rows between: the tolerance, less a
 #: hair so that float rounding of max/mean never reads a polished plan as unbalanced.
 POLISH_CAP = TOLERANCE - 1e-9
-#: Least share of the max KV a polish must save to be kept: its moves spend the work tolerance (the
-#: polished plans' imbalance is near 1.01), worth it for a few % of KV, not for a few tokens (131k
-#: tokens, 5 mixes, N 2-64: 151 of 240 plans polished lower, 42 by 1% or more, up to 7.4%; 1M
-#: tokens over 64 ranks: 6074 -> 6044 keys for an imbalance of 1.0039 -> 1.0098, not kept).
+#: Least share of the max KV a polish within the tolerance must save to be kept: its moves spend the
+#: tolerance (the polished plans' imbalance is near 1.01), worth it for a few % of KV, not for a few
+#: tokens (131k tokens, 5 mixes, N 2-64: 151 of 240 plans polished lower, 42 by 1% or more, up to
+#: 7.4%; 1M tokens over 64 ranks: 6074 -> 6044 keys for an imbalance of 1.0039 -> 1.0098). Below
+#: it, the plan is polished again within its own busiest rank's work, which costs no balance.
 POLISH_GAIN = 0.01
 
 
@@ -490,11 +492,14 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
             if best_score is None or _better(result[1], best_score):
                 best, best_score = result[0], result[1]
     # Causal: rows of cut documents traded between pairs of ranks, where that lowers the max KV
-    # (doccp.plan.polish; the cuts stay, work within the tolerance) by POLISH_GAIN at least.
+    # (doccp.plan.polish; the cuts stay): within the work tolerance where that saves POLISH_GAIN of
+    # it at least, else within the plan's own busiest rank's work (free: the balance stays).
     if causal and best_score is not None and not best_score[0] and best_score[1] > 0:
-        result = scored([polish(best.stream_normalized(), n, POLISH_CAP * float(doc_work.sum()) / n)])[0]
-        if result[1][1] <= (1 - POLISH_GAIN) * best_score[1] and _better(result[1], best_score):
-            best, best_score = result[0], result[1]
+        for cap, gain in ((POLISH_CAP * float(doc_work.sum()) / n, POLISH_GAIN), (0.0, 0.0)):
+            result = scored([polish(best.stream_normalized(), n, cap)])[0]
+            if result[1][1] <= (1 - gain) * best_score[1] and _better(result[1], best_score):
+                best, best_score = result[0], result[1]
+                break
     # No balanced plan: tiny layouts (a few documents of a few tokens per rank) can defeat the
     # search's cuts, while head_tail balances every document on its own under a causal mask.
     if best_score is None or best_score[0]:
