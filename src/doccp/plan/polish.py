@@ -76,11 +76,13 @@ def polish(pieces: Pieces, n: int, cap: float) -> Pieces:
     for parts in docs.values():
         for r, v in _received(parts).items():
             kv[r] += v
-    search = _Search(docs, kv, work, max(cap, max(work)), pieces.select(~cut))
-    for _ in range(ROUNDS):
-        if not search.step() or search.scored >= EVALUATIONS:
-            break
     whole = pieces.select(~cut)
+    search = _Search(docs, kv, work, max(cap, max(work)), whole)
+    moves = 0
+    while moves < ROUNDS and search.scored < EVALUATIONS and search.step():
+        moves += 1
+    if not moves:
+        return pieces
     if search.given:  # whole documents another rank took
         moved = torch.tensor(list(search.given), dtype=torch.int64)
         rank = whole.rank.clone().index_copy_(0, torch.searchsorted(whole.doc, moved),
