@@ -464,14 +464,14 @@ def test_readme_example_keeps_short_documents_whole():
 def test_short_documents_stay_whole_for_a_little_kv_not_for_much_traffic():
     """A plan cutting fewer documents that could stay whole wins within KV_SLACK *and*
     KV_SLACK_TOKENS of the other's max KV; beyond either, the least KV wins."""
-    one_cut = (False, 1000, 1, 1.0)
-    assert balanced._better((False, 1030, 0, 1.0), one_cut)  # 3%, 30 tokens: kept whole
-    assert not balanced._better((False, 1060, 0, 1.0), one_cut)  # 6%: beyond KV_SLACK
-    assert balanced._better(one_cut, (False, 1060, 0, 1.0))
-    many = (False, 100_000, 1, 1.0)
-    assert balanced._better((False, 100_256, 0, 1.0), many)
-    assert not balanced._better((False, 100_300, 0, 1.0), many)  # 0.3%, but 300 tokens: the cut wins
-    assert balanced._better(many, (False, 100_300, 0, 1.0))
+    one_cut = (0, 1000, 1, 1.0)
+    assert balanced._better((0, 1030, 0, 1.0), one_cut)  # 3%, 30 tokens: kept whole
+    assert not balanced._better((0, 1060, 0, 1.0), one_cut)  # 6%: beyond KV_SLACK
+    assert balanced._better(one_cut, (0, 1060, 0, 1.0))
+    many = (0, 100_000, 1, 1.0)
+    assert balanced._better((0, 100_256, 0, 1.0), many)
+    assert not balanced._better((0, 100_300, 0, 1.0), many)  # 0.3%, but 300 tokens: the cut wins
+    assert balanced._better(many, (0, 100_300, 0, 1.0))
     # Seeded: long #7 over 8 ranks kept two short documents whole at 0.947 of an all-gather; cutting
     # them reaches 0.913, its lower bound (0.034 of an all-gather saved).
     from doccp.plan.bound import kv_lower_bound
@@ -1159,6 +1159,32 @@ def test_balanced_falls_back_to_head_tail_only_where_nothing_else_balances():
     assert ours.pieces(0) == theirs.pieces(0) and ours.stats().imbalance <= 1.01
     readme = plan(DocLayout.from_lengths([300, 40, 1000, 7, 700]), 4)  # balanced by the search itself
     assert readme.pieces(0) != plan(readme.layout, 4, Mask.causal(), "head_tail").pieces(0)
+
+
+@pytest.mark.parametrize(("lengths", "n", "mask", "before"), [
+    ([119, 23, 126, 304, 108, 5, 2, 12, 18, 321, 55, 78, 104, 13, 94, 88, 7, 73], 23, Mask.full(), 1.711),
+    ([0, 39, 2], 16, Mask.causal(), 1.594),
+    ([1, 0, 49, 1, 31, 3, 3, 0, 17, 1], 32, Mask.causal(), 1.643),
+    ([3, 18, 1, 22, 3, 3, 3, 3, 3, 0], 16, Mask.full(), 1.279)])
+def test_balanced_keeps_the_plan_nearest_balance_where_none_balances(lengths, n, mask, before):
+    """Where no candidate (head_tail's included) reaches the tolerance, the least KV used to win
+    among them, at any spread; now the spread counts first, in steps of the tolerance, so the plan
+    is within one step of head_tail's (``before``: the spread the least-KV rule returned)."""
+    layout = DocLayout.from_lengths(lengths)
+    ours, theirs = plan(layout, n, mask).stats(), plan(layout, n, mask, "head_tail").stats()
+    assert theirs.imbalance > 1.01  # nothing balances here
+    assert ours.imbalance < balanced.TOLERANCE * theirs.imbalance < before
+    assert max(ours.tokens) - min(ours.tokens) <= 1 and sum(ours.tokens) == sum(lengths)
+
+
+def test_unbalanced_plans_compare_by_spread_in_steps_of_the_tolerance():
+    step = balanced._unbalanced
+    assert step(1.0) == step(1.01) == 0 and step(1.0101) == step(1.0200) == 1 and step(1.0202) == 2
+    assert step(1.71) == 53
+    near, cheap = (1, 740, 3, 1.0137), (53, 558, 3, 1.71)  # the 23-rank layout's two candidates
+    assert balanced._better(near, cheap) and not balanced._better(cheap, near)
+    assert balanced._better((1, 700, 3, 1.019), near)  # within one step: the least KV
+    assert balanced._better((0, 10**6, 9, 1.01), near)  # balanced beats any unbalanced plan
 
 
 def test_packings_never_lose_a_plan_the_search_finds(monkeypatch, unpolished):
