@@ -76,6 +76,9 @@ def cases(world_size: int) -> list[Case]:
                     seed=300))
     out.append(Case((("prefill", few), ("decode", 2), ("prefill", tuple(p))), MASKS[0], "pass_kv", seed=301))
     out.append(Case((("prefill", tuple(p)), ("decode", 2)), Mask.causal(), "auto", seed=302))
+    empty = (0,) * len(p)  # every prompt empty: the first decoded tokens are the cache's first runs
+    out.append(Case((("prefill", empty), ("decode", 3), ("prefill", tuple(p)), ("decode", 1)), MASKS[1], "pass_q",
+                    strategy="head_tail", seed=303))
     return out
 
 

@@ -210,7 +210,9 @@ class ShardedKVCache:
         last = self._last[dest, b]
         has = last >= 0
         idx = last.clamp(min=0)
-        r_pos, r_len, r_stride = self.runs.pos[idx], self.runs.length[idx], self.runs.stride[idx]
+        # (a cache of empty prompts only has no run to read; ``has`` is all false there)
+        r_pos, r_len, r_stride = (c[idx] if len(self.runs) else torch.zeros_like(idx)
+                                  for c in (self.runs.pos, self.runs.length, self.runs.stride))
         start_stride = has & (r_len == 1) & (r_pos < pos)
         extend = start_stride | (has & (r_len > 1) & (r_pos + r_stride * r_len == pos))
         self.runs.stride[idx[start_stride]] = (pos - r_pos)[start_stride]
