@@ -98,7 +98,9 @@ def test_bad_input(call, error, match):
 
 def dense_reference(q, k, v, lens, mask):
     """Row-by-row dense attention in float64 on padded ``[B, L, H, D]`` (independent oracle)."""
-    out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=torch.float64)
+    # (padding is zeros that still depend on q, k and v: a batch of empty rows backpropagates zeros)
+    anchor = sum(t.double().sum() for t in (q, k, v)) * 0
+    out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=torch.float64) + anchor
     group = q.shape[2] // k.shape[2]
     for b, m in enumerate(lens):
         if m == 0:
@@ -136,10 +138,11 @@ ATTN_CASES = [  # (doc_lens, padded L, Hq, Hkv, D, mask, algorithm, one_head)
 ]
 
 
-def _distributed_cases(rank: int, n: int) -> int:
+def run_cases(rank: int, n: int, cases: list[tuple] = ATTN_CASES) -> int:
+    """Worker: every case (``ATTN_CASES``' form) and a bad shape on one rank; returns the checks passed."""
     gen = torch.Generator().manual_seed(7)
     checked = 0
-    for lens, length, hq, hkv, d, mask, algorithm, one_head in ATTN_CASES:
+    for lens, length, hq, hkv, d, mask, algorithm, one_head in cases:
         b = len(lens)
         full = [torch.randn(b, length, h, d, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv)]
         if one_head:
@@ -190,7 +193,7 @@ def _distributed_cases(rank: int, n: int) -> int:
 @pytest.mark.parametrize("n", [2, 3])
 def test_padded_attention_exact_across_ranks(n):
     try:
-        results = spawn(_distributed_cases, n, n, threads=1)
+        results = spawn(run_cases, n, n, threads=1)
     except WorkerError as e:  # show the worker's traceback in the pytest report
         pytest.fail(str(e))
     assert results == [len(ATTN_CASES) + 1] * n
