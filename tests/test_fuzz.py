@@ -41,6 +41,15 @@ def _where(name: str, i: int, cases) -> str:
     return f"DOCCP_FUZZ_SEED={SEED}, {name} round {i}: {cases}"
 
 
+def _run_and_check(harness, n: int, cases: list, where: str, **spawn_args) -> None:
+    """A test module's ``run_cases`` on ``n`` spawned ranks, checked by its ``check``; a failure says ``where``."""
+    results = spawn(harness.run_cases, n, n, cases, **spawn_args)
+    try:
+        harness.check(results, cases, n)
+    except AssertionError as e:
+        raise AssertionError(f"{where}\n{e}") from None
+
+
 def _lengths(rng: random.Random, n: int, longest: int = 60) -> list[int]:
     style = rng.random()
     if style < 0.3:
@@ -67,11 +76,7 @@ def test_fuzz_attention():
         algorithms = attention_cases.ALGORITHMS + (["ulysses"] if attention_cases.HQ % n == 0 else [])
         cases = [(_lengths(rng, n), rng.choice(attention_cases.STRATEGIES), _mask(rng), rng.choice(algorithms),
                   rng.randint(0, 10**6)) for _ in range(6)]
-        results = spawn(attention_cases.run_cases, n, n, cases)
-        try:
-            attention_cases.check(results, cases, n)
-        except AssertionError as e:
-            raise AssertionError(f"{_where('attention', i, cases)}\n{e}") from None
+        _run_and_check(attention_cases, n, cases, _where("attention", i, cases))
 
 
 def test_fuzz_inference():
@@ -90,11 +95,7 @@ def test_fuzz_inference():
                                              rng.choice(["pass_kv", "pass_q", "auto"]),
                                              rng.choice(inference_cases.STRATEGIES), gather=rng.random() < 0.5,
                                              seed=rng.randint(0, 10**6)))
-        results = spawn(inference_cases.run_cases, n, n, todo, threads=1)
-        try:
-            inference_cases.check(results, todo, n)
-        except AssertionError as e:
-            raise AssertionError(f"{_where('inference', i, todo)}\n{e}") from None
+        _run_and_check(inference_cases, n, todo, _where("inference", i, todo), threads=1)
 
 
 def test_fuzz_padded():
