@@ -1,4 +1,4 @@
-"""Random cases against the float64 oracle: attention, inference, the padded interface, plan stats.
+"""Random cases against the float64 oracle: attention (hybrid groups too), inference, the padded interface, plan stats.
 
 Each test draws rounds of random layouts (zero-length and 1-token documents, documents around
 2N, one long document among short ones), masks (random windows and chunk sizes), strategies
@@ -8,7 +8,7 @@ one environment variable away::
 
     DOCCP_FUZZ_SEED=7 DOCCP_FUZZ_ROUNDS=200 pytest tests/test_fuzz.py
 
-(200 rounds of each: about 15 minutes on 2 cores). A failure names the seed, the round and the
+(200 rounds of each: about 20 minutes on 2 cores). A failure names the seed, the round and the
 cases to reproduce it. Campaigns like that found a decode step failing on a cache of empty prompts
 only, and the planner keeping a far less balanced plan than head_tail's where none balances.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import random
 
+import test_algorithms as algorithm_cases
 import test_attention as attention_cases
 import test_inference as inference_cases
 import test_padded as padded_cases
@@ -70,13 +71,26 @@ def _mask(rng: random.Random, full: bool = True) -> Mask:
 
 def test_fuzz_attention():
     """Forward, LSE, gradients and bytes received of all-gather, ring pass-KV and (where the heads
-    divide over the ranks) Ulysses."""
+    divide over the ranks) Ulysses, on the default group of 2-5 ranks."""
     for i, rng in _rounds("attention"):
         n = rng.randint(2, 5)
         algorithms = attention_cases.ALGORITHMS + (["ulysses"] if attention_cases.HQ % n == 0 else [])
         cases = [(_lengths(rng, n), rng.choice(attention_cases.STRATEGIES), _mask(rng), rng.choice(algorithms),
                   rng.randint(0, 10**6)) for _ in range(6)]
         _run_and_check(attention_cases, n, cases, _where("attention", i, cases))
+
+
+def test_fuzz_hybrid():
+    """Ulysses inside groups of 2 ranks and all-gather across them (a :class:`doccp.HybridGroup`, from
+    ranks or from a device mesh), and ``auto`` on one, over 4 ranks; GQA with 1, 2 or 4 KV heads."""
+    for i, rng in _rounds("hybrid"):
+        cases = []
+        for _ in range(6):
+            algorithm, group = rng.choice([("hybrid", "u2"), ("hybrid", "mesh u2"), ("auto", "u2")])
+            cases.append(algorithm_cases.Case(_lengths(rng, 4), rng.choice(algorithm_cases.STRATEGIES), _mask(rng),
+                                              algorithm, rng.choice([(4, 1), (4, 2), (8, 4)]), group,
+                                              rng.randint(0, 10**6)))
+        _run_and_check(algorithm_cases, 4, cases, _where("hybrid", i, cases), threads=1)
 
 
 def test_fuzz_inference():
