@@ -203,19 +203,28 @@ def test_allgather_sends_every_rank_exactly_its_exchange_rows(case):
     """Each rank's all-gather send rows are its rows of the minimal exchange, per peer in (doc,
     start) order: under a causal mask from the ranks holding later parts of each document
     (:func:`~doccp.plan.exchange.prefix_receivers`), under the others from every rank's visible keys."""
-    from doccp.algorithms.registry import schedule_of
     _, p = make(case)
+    _assert_allgather_sends_its_exchange_rows(p, range(p.world_size))
+    if case[2] in (Mask.causal(), Mask.full()):  # the path each takes
+        assert p.causal_like == (case[2] == Mask.causal())
+
+
+def _assert_allgather_sends_its_exchange_rows(p: Plan, ranks) -> None:
+    """Each of ``ranks`` sends every peer exactly its rows of the minimal exchange, in order, and
+    each of them expects from each other as many rows as that one sends it."""
+    from doccp.algorithms.registry import schedule_of
     ex = p.exchange
-    for src in range(p.world_size):
+    schedules = {r: schedule_of("allgather", p, r) for r in ranks}
+    for src, sched in schedules.items():
         row_of = {int(g): row for row, g in enumerate(p.indices(src).tolist())}
-        sched = schedule_of("allgather", p, src)
+        sent = ex.select(ex.src == src)
         for dst in range(p.world_size):
-            rows = ex.select((ex.src == src) & (ex.dst == dst))
+            rows = sent.select(sent.dst == dst)
             spans = zip(rows.doc.tolist(), rows.start.tolist(), rows.end.tolist(), strict=True)
             expected = [row_of[int(p.layout.cu_seqlens[d]) + k] for d, a, b in spans for k in range(a, b)]
             assert sched.send_rows[dst].tolist() == expected, (src, dst)
-    if case[2] in (Mask.causal(), Mask.full()):  # the path each takes
-        assert p.causal_like == (case[2] == Mask.causal())
+        assert sum(sched.recv_sizes) == p.kv_received[src], src
+        assert all(schedules[dst].recv_sizes[src] == len(sched.send_rows[dst]) for dst in schedules), src
 
 
 @SETTINGS
@@ -225,11 +234,15 @@ def test_ring_schedule_under_a_causal_mask_matches_the_general_path(case):
     piece but each document's last, whole, laid out in rank order, and no slice needs its rows
     trimmed: the same blocks, block rows and slices, step by step (in another order within a
     step), as the path every other mask takes."""
+    lengths, n, _, strategy = case
+    _assert_causal_ring_matches_the_general_path(DocLayout.from_lengths(lengths), n, strategy, range(n))
+
+
+def _assert_causal_ring_matches_the_general_path(layout: DocLayout, n: int, strategy: str, ranks) -> None:
+    """The causal ring's blocks and, for each of ``ranks``, its schedule against the general path's."""
     from doccp.algorithms import ring_kv
     from doccp.algorithms.registry import schedule_of
     from doccp.kernels.slices import FIELDS
-    lengths, n, _, strategy = case
-    layout = DocLayout.from_lengths(lengths)
     fast = plan(layout, n, Mask.causal(), strategy)
     general = Plan(layout, n, Mask.causal(), strategy, fast.stream_pieces)
     general.__dict__["causal_like"] = False  # (a cached property) the path of every other mask
@@ -242,12 +255,30 @@ def test_ring_schedule_under_a_causal_mask_matches_the_general_path(case):
     blocks = sorted(zip(owner.tolist(), g0.tolist(), (g0 + causal.length).tolist(), causal.row.tolist(), strict=True))
     assert blocks == sorted(zip(*(x.tolist() for x in every[:4]), strict=True))
     assert torch.equal(causal.sizes, every.sizes)
-    for r in range(n):
+    for r in ranks:
         got, want = schedule_of("ring_kv", fast, r), schedule_of("ring_kv", general, r)
         assert torch.equal(got.own_block_rows, want.own_block_rows) and got.block_sizes == want.block_sizes
         for t, (a, b) in enumerate(zip(got.step_slices, want.step_slices, strict=True)):
             assert sorted(a.rows()) == sorted(b.rows()), (r, t)
             assert len(a) == len(b) and all(getattr(a, f).dtype == torch.int64 for f in FIELDS)
+
+
+@pytest.mark.parametrize("n", [64, 257, 1024])
+def test_schedules_at_many_ranks(n):
+    """The schedules' host tables at the world sizes users run (the spawned tests stop at 8 ranks,
+    the property tests at 16): past 256 ranks a rank no longer fits the narrowest sort key, and at
+    1024 a rank holds a few tokens. For a few ranks of each plan, the all-gather's send rows are
+    its rows of the minimal exchange and its receive sizes what its peers send; the causal ring
+    matches the general path; ``stats()`` counts the exchange's KV."""
+    layouts = [DocLayout.from_lengths(workloads.layout("sft", 4096, 1) + [0, 1]),
+               DocLayout.from_lengths([5, 3 * n + 1, 0, 1, 2 * n - 1])]
+    ranks = sorted({0, 1, n // 2, n - 1})
+    for layout, strategy in itertools.product(layouts, STRATEGIES):
+        for mask in (Mask.causal(), Mask.sliding_window(100)):
+            p = plan(layout, n, mask, strategy)
+            assert p.stats().kv_recv == p.exchange.tokens_received(n).tolist(), (strategy, mask)
+            _assert_allgather_sends_its_exchange_rows(p, ranks)
+        _assert_causal_ring_matches_the_general_path(layout, n, strategy, ranks)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the peak RSS from /proc")
