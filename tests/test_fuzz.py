@@ -1,4 +1,5 @@
-"""Random cases against the float64 oracle: attention (hybrid groups too), inference, the padded interface, plan stats.
+"""Random cases against the float64 oracle: attention (hybrid groups too), inference, the padded interface, plan stats;
+and schedules at many ranks against the minimal exchange.
 
 Each test draws rounds of random layouts (zero-length and 1-token documents, documents around
 2N, one long document among short ones), masks (random windows and chunk sizes), strategies
@@ -22,11 +23,13 @@ import test_algorithms as algorithm_cases
 import test_attention as attention_cases
 import test_inference as inference_cases
 import test_padded as padded_cases
+import test_plan as plan_cases
 import torch
 from oracle import visible
 
 from doccp import DocLayout, Mask, plan
 from doccp.launch import spawn
+from doccp.plan import STRATEGIES
 
 SEED = int(os.environ.get("DOCCP_FUZZ_SEED", "0"))
 ROUNDS = int(os.environ.get("DOCCP_FUZZ_ROUNDS", "2"))
@@ -149,3 +152,20 @@ def test_fuzz_plan_stats():
             received = [len(need - h) for need, h in zip(needed, held, strict=True)]
             assert s.kv_recv == received == list(p.kv_received), what
             assert s.pieces == [len(p.pieces(r)) for r in range(n)], what
+
+
+def test_fuzz_schedules_at_many_ranks():
+    """The all-gather and ring schedules of a few ranks against the minimal exchange and the general
+    path (host only, as in ``test_plan``), 17-1100 ranks: where a rank holds a few tokens or none."""
+    for i, rng in _rounds("many ranks"):
+        for _ in range(3):
+            n = rng.randint(17, 1100)
+            lengths = _lengths(rng, n, rng.choice([60, 400, 2 * n]))
+            layout, strategy, mask = DocLayout.from_lengths(lengths), rng.choice(sorted(STRATEGIES)), _mask(rng)
+            ranks = sorted({0, n - 1, *(rng.randrange(n) for _ in range(3))})
+            what = _where("many ranks", i, (lengths, n, mask, strategy, ranks))
+            try:
+                plan_cases._assert_allgather_sends_its_exchange_rows(plan(layout, n, mask, strategy), ranks)
+                plan_cases._assert_causal_ring_matches_the_general_path(layout, n, strategy, ranks)
+            except AssertionError as e:
+                raise AssertionError(f"{what}\n{e}") from None
