@@ -30,6 +30,8 @@ from oracle import visible
 from doccp import DocLayout, Mask, plan
 from doccp.launch import spawn
 from doccp.plan import STRATEGIES
+from doccp.plan.balanced import TOLERANCE
+from doccp.plan.bound import kv_lower_bound
 
 SEED = int(os.environ.get("DOCCP_FUZZ_SEED", "0"))
 ROUNDS = int(os.environ.get("DOCCP_FUZZ_ROUNDS", "2"))
@@ -156,7 +158,8 @@ def test_fuzz_plan_stats():
 
 def test_fuzz_schedules_at_many_ranks():
     """The all-gather and ring schedules of a few ranks against the minimal exchange and the general
-    path (host only, as in ``test_plan``), 17-1100 ranks: where a rank holds a few tokens or none."""
+    path (host only, as in ``test_plan``), 17-1100 ranks: where a rank holds a few tokens or none;
+    ``stats()`` counts the exchange's KV, and a balanced plan receives no less than the lower bound."""
     for i, rng in _rounds("many ranks"):
         for _ in range(3):
             n = rng.randint(17, 1100)
@@ -165,7 +168,11 @@ def test_fuzz_schedules_at_many_ranks():
             ranks = sorted({0, n - 1, *(rng.randrange(n) for _ in range(3))})
             what = _where("many ranks", i, (lengths, n, mask, strategy, ranks))
             try:
-                plan_cases._assert_allgather_sends_its_exchange_rows(plan(layout, n, mask, strategy), ranks)
+                p = plan(layout, n, mask, strategy)
+                plan_cases._assert_allgather_sends_its_exchange_rows(p, ranks)
+                s = p.stats()
+                assert s.kv_recv == p.exchange.tokens_received(n).tolist()
+                assert s.imbalance > TOLERANCE or max(s.kv_recv) >= kv_lower_bound(layout, n, mask)
                 plan_cases._assert_causal_ring_matches_the_general_path(layout, n, strategy, ranks)
             except AssertionError as e:
                 raise AssertionError(f"{what}\n{e}") from None
