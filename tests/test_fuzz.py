@@ -169,10 +169,10 @@ def test_fuzz_schedules_at_many_ranks():
             what = _where("many ranks", i, (lengths, n, mask, strategy, ranks))
             try:
                 p = plan(layout, n, mask, strategy)
-                plan_cases._assert_allgather_sends_its_exchange_rows(p, ranks)
+                plan_cases.assert_allgather_sends_its_exchange_rows(p, ranks)
                 s = p.stats()
                 assert s.kv_recv == p.exchange.tokens_received(n).tolist()
                 assert s.imbalance > TOLERANCE or max(s.kv_recv) >= kv_lower_bound(layout, n, mask)
-                plan_cases._assert_causal_ring_matches_the_general_path(layout, n, strategy, ranks)
+                plan_cases.assert_causal_ring_matches_the_general_path(layout, n, strategy, ranks)
             except AssertionError as e:
                 raise AssertionError(f"{what}\n{e}") from None

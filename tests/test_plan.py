@@ -204,12 +204,12 @@ def test_allgather_sends_every_rank_exactly_its_exchange_rows(case):
     start) order: under a causal mask from the ranks holding later parts of each document
     (:func:`~doccp.plan.exchange.prefix_receivers`), under the others from every rank's visible keys."""
     _, p = make(case)
-    _assert_allgather_sends_its_exchange_rows(p, range(p.world_size))
+    assert_allgather_sends_its_exchange_rows(p, range(p.world_size))
     if case[2] in (Mask.causal(), Mask.full()):  # the path each takes
         assert p.causal_like == (case[2] == Mask.causal())
 
 
-def _assert_allgather_sends_its_exchange_rows(p: Plan, ranks) -> None:
+def assert_allgather_sends_its_exchange_rows(p: Plan, ranks) -> None:
     """Each of ``ranks`` sends every peer exactly its rows of the minimal exchange, in order, and
     each of them expects from each other as many rows as that one sends it."""
     from doccp.algorithms.registry import schedule_of
@@ -235,10 +235,10 @@ def test_ring_schedule_under_a_causal_mask_matches_the_general_path(case):
     trimmed: the same blocks, block rows and slices, step by step (in another order within a
     step), as the path every other mask takes."""
     lengths, n, _, strategy = case
-    _assert_causal_ring_matches_the_general_path(DocLayout.from_lengths(lengths), n, strategy, range(n))
+    assert_causal_ring_matches_the_general_path(DocLayout.from_lengths(lengths), n, strategy, range(n))
 
 
-def _assert_causal_ring_matches_the_general_path(layout: DocLayout, n: int, strategy: str, ranks) -> None:
+def assert_causal_ring_matches_the_general_path(layout: DocLayout, n: int, strategy: str, ranks) -> None:
     """The causal ring's blocks and, for each of ``ranks``, its schedule against the general path's."""
     from doccp.algorithms import ring_kv
     from doccp.algorithms.registry import schedule_of
@@ -277,8 +277,8 @@ def test_schedules_at_many_ranks(n):
         for mask in (Mask.causal(), Mask.sliding_window(100)):
             p = plan(layout, n, mask, strategy)
             assert p.stats().kv_recv == p.exchange.tokens_received(n).tolist(), (strategy, mask)
-            _assert_allgather_sends_its_exchange_rows(p, ranks)
-        _assert_causal_ring_matches_the_general_path(layout, n, strategy, ranks)
+            assert_allgather_sends_its_exchange_rows(p, ranks)
+        assert_causal_ring_matches_the_general_path(layout, n, strategy, ranks)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the peak RSS from /proc")
