@@ -80,11 +80,13 @@ def test_attention_matches_reference(world_size):
     check(spawn(run_cases, world_size, world_size, cases), cases, world_size)
 
 
-def test_attention_world_size_8():
-    cases = [(lengths, "balanced", Mask.causal(), algorithm, i) for i, (lengths, algorithm) in
-             enumerate(itertools.product([[100, 3, 0, 41, 7, 1, 250]], ALGORITHMS))]
-    cases += [([100, 3, 0, 41, 7, 1, 250], "head_tail", Mask.sliding_window(9), "ring_kv", 7)]
-    check(spawn(run_cases, 8, 8, cases, threads=1), cases, 8)
+@pytest.mark.parametrize("world_size", [8, 13])
+def test_attention_many_ranks(world_size):
+    """More ranks than the cases above: every peer of a rank in the exchange, a ring of 13 hops."""
+    lengths = [100, 3, 0, 41, 7, 1, 250, 2 * world_size - 1]
+    cases = [(lengths, "balanced", Mask.causal(), algorithm, i) for i, algorithm in enumerate(ALGORITHMS)]
+    cases += [(lengths, "head_tail", Mask.sliding_window(9), "ring_kv", 7)]
+    check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
 
 
 def run_subgroup(rank: int) -> dict | None:
