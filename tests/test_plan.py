@@ -334,6 +334,26 @@ def test_plans_built_a_few_entries_at_a_time_match_one_pass(monkeypatch, batch):
     assert plan_module._partitions(split) and not plan_module._partitions(split, normalized=True)
 
 
+@pytest.mark.parametrize("batch", [1, 2, 3, 7])
+def test_ring_slices_written_a_few_blocks_at_a_time_match_one_pass(monkeypatch, batch):
+    """The causal ring's slices are written a batch of blocks at a time (:data:`doccp.ranges.BATCH`
+    slices, whole blocks); batches that end between any two blocks, or after a block without
+    slices, must change no slice of any step."""
+    from doccp.algorithms import ring_kv
+    ranges = importlib.import_module("doccp.ranges")
+    layouts = [DocLayout.from_lengths(lengths) for lengths in ([0, 1, 5, 0, 2, 40, 3, 1], [97], [0])]
+    cases = [(layout, n, s) for layout in layouts for n in (1, 3, 8) for s in STRATEGIES]
+    whole = [[ring_kv.RingKV().schedule(plan(layout, n, Mask.causal(), s), r) for r in range(n)]
+             for layout, n, s in cases]
+    monkeypatch.setattr(ranges, "BATCH", batch)
+    for schedules, (layout, n, s) in zip(whole, cases, strict=True):
+        p = plan(layout, n, Mask.causal(), s)
+        for r, want in enumerate(schedules):
+            got = ring_kv.RingKV().schedule(p, r)
+            assert torch.equal(got.own_block_rows, want.own_block_rows) and got.block_sizes == want.block_sizes
+            assert [a.rows() for a in got.step_slices] == [b.rows() for b in want.step_slices], (layout, n, s, r)
+
+
 @SETTINGS
 @given(cases())
 def test_stats_are_consistent(case):
