@@ -4,7 +4,9 @@ Half precision (bf16, fp16) through torch's flash varlen kernel, checked with
 TransformerEngine's rule ``|got - want| <= 2.5e-2 + 2.5e-2 * |want|``: ``attention`` at world
 size 1 over NCCL (both training algorithms), ``doc_packed_attn`` eager and under
 ``torch.compile(fullgraph=True)``, and prefill + decode over a KV cache. Zero-length and
-1-token documents are in every layout.
+1-token documents are in every layout. transformers models with ``attn_implementation="doccp"``
+(when transformers is installed) are checked against the float64 model relative to transformers'
+own sdpa in bf16.
 """
 
 from __future__ import annotations

@@ -224,7 +224,9 @@ def assemble(results: Path) -> str:
         "updates this page), `doccp bench --quick --out DIR` (a subset in under 5 minutes, written to DIR),",
         "`doccp bench --only cp` (one section; the others are kept from `docs/results/`),",
         "`doccp bench --assemble` (rebuild this page only). The scripts are in `bench/`; each also runs",
-        "alone: `python bench/cp.py [--quick]`.",
+        "alone: `python bench/cp.py [--quick]`. GPU results (the CUDA tests, the `cuda` backend against",
+        "the kernel it drives, transformers models on a GPU) are on [the GPU page](gpu.md): their",
+        "scripts need a CUDA machine, so `doccp bench` does not run them.",
         "",
     ]
     for name in SECTIONS:
