@@ -310,7 +310,7 @@ def test_attention_nested_plans(monkeypatch, world_size, lengths, mirrored):
 
 
 @pytest.mark.parametrize("world_size, lengths", [
-    (4, [3, 3, 1, 3, 147, 1, 0, 0, 0, 90]),
+    (4, [3, 99, 0, 127, 8, 3, 3, 1, 8]),
     (5, [2, 114, 1, 1, 1, 1, 3, 21, 2, 170, 9]),
     (3, [8, 200, 21, 196, 21, 0]),
 ])
@@ -332,6 +332,29 @@ def test_attention_nested_plans_of_the_heaviest_alone(monkeypatch, world_size, l
         nested = max(doccp.plan(layout, world_size).stats().kv_recv)
         m.setattr(balanced, "_nested_plan", all_or_none)
         assert nested < max(doccp.plan(layout, world_size).stats().kv_recv)  # the plans under test
+    cases = [(lengths, "balanced", Mask.causal(), algorithm, i) for i, algorithm in enumerate(ALGORITHMS)]
+    check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
+
+
+@pytest.mark.parametrize("world_size, lengths", [
+    (3, [2, 5, 130, 163]),
+    (4, [1, 2, 5, 187, 181, 1]),
+    (5, [1, 161, 1, 184]),
+    (4, [55, 0, 83, 8, 0, 0, 1]),
+])
+def test_attention_opposed_plans(monkeypatch, world_size, lengths):
+    """Plans that nest two documents too big to stay whole from opposite ends, sharing a rank (the
+    second's head maybe on a rank of the first; doccp.plan.nested.opposed_parts), odd and even N,
+    with zero-length and 1-token documents."""
+    import importlib
+    balanced = importlib.import_module("doccp.plan.balanced")
+    layout = DocLayout.from_lengths(lengths)
+    every = balanced._nested_plan
+    opposed = max(doccp.plan(layout, world_size).stats().kv_recv)
+    with monkeypatch.context() as m:
+        m.setattr(balanced, "_nested_plan", lambda *args, **kwargs: None if kwargs.get("opposed")
+                  else every(*args, **kwargs))
+        assert opposed < max(doccp.plan(layout, world_size).stats().kv_recv)  # the plans under test
     cases = [(lengths, "balanced", Mask.causal(), algorithm, i) for i, algorithm in enumerate(ALGORITHMS)]
     check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
 

@@ -70,7 +70,9 @@ last (:mod:`doccp.plan.nested`: each rank a head and a tail of what the ranks ou
 innermost the middle, sized so that no rank receives more than the least bound that fits; a few
 such documents each on ranks of their own, or where they do not all fit, the heaviest one's alone),
 pinned from rank 0 or, mirrored, from rank N - 1, with
-the other documents shared out or packed around them (the same document: 49%). Where nothing
+the other documents shared out or packed around them (the same document: 49%); and for two of
+them, nested from opposite ends, sharing the innermost rank (two documents of 54% and 45% of
+the tokens over 4 ranks: 48% of an all-gather instead of 62%). Where nothing
 balances (a few documents of a few tokens per rank can defeat every cut), the plan is
 head_tail's, which balances each document on its own under a causal mask. With two ranks
 under a causal mask, :mod:`doccp.plan.two_ranks` adds plans that cut one document, head and tail
@@ -113,7 +115,7 @@ from doccp.layout import DocLayout
 from doccp.masks import BandMask, Mask
 from doccp.plan.exchange import visible_intervals
 from doccp.plan.head_tail import head_tail
-from doccp.plan.nested import nested_parts
+from doccp.plan.nested import nested_parts, opposed_parts
 from doccp.plan.pieces import Pieces, cut_stream, even_sizes
 from doccp.plan.polish import polish
 from doccp.plan.trims import trimmed_packings
@@ -478,6 +480,11 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
                                   best=best_score)
         if result is not None and (best_score is None or _better(result[1], best_score)):
             best, best_score = result[0], result[1]
+        # ... and the two heaviest nested from opposite ends, sharing a rank (doccp.plan.nested).
+        if len(heaviest) > 1 and (best_score is None or best_score[0] or best_score[1] > kv_goal):
+            result = _nested_plan(layout, n, mask, whole, doc_work, heaviest, best=best_score, opposed=True)
+            if result is not None and (best_score is None or _better(result[1], best_score)):
+                best, best_score = result[0], result[1]
     # Two ranks, causal: one document's head and tail on one rank, its middle on the other, next
     # to the whole documents a local search picks (doccp.plan.two_ranks).
     causal = isinstance(mask, BandMask) and mask.is_causal
@@ -611,7 +618,8 @@ def _most_chunks(lengths: torch.Tensor, whole: torch.Tensor, rank_tokens: int) -
 
 
 def _nested_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, doc_work: torch.Tensor,
-                 docs: list[int], at_once: bool = True, best: tuple | None = None) -> tuple | None:
+                 docs: list[int], at_once: bool = True, best: tuple | None = None, opposed: bool = False
+                 ) -> tuple | None:
     """The best plan that pins the nested parts of documents ``docs`` (:mod:`doccp.plan.nested`;
     each on ranks of its own, see :func:`_nested_layouts`, and mirrored, see :data:`NESTED_MIRRORED`;
     sized for a work cap between the mean
@@ -620,7 +628,8 @@ def _nested_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, doc
     lightest after the rest is packed whole around the parts (:func:`_packings`); with its score
     and cut pieces, or None. ``at_once``: the plans solved in one pass (else one at a time);
     ``best``: the score to beat (parts whose own KV shows that no plan pinning them can are
-    skipped)."""
+    skipped); ``opposed``: the first two of ``docs`` nested from opposite ends instead, sharing a
+    rank (:func:`~doccp.plan.nested.opposed_parts`, each of the two first)."""
     lengths, total = layout.lengths, float(doc_work.sum())
     index = torch.tensor(docs, dtype=torch.int64)
     fill = (total - float(doc_work[index].sum())) / max(layout.num_tokens - int(lengths[index].sum()), 1)
@@ -629,8 +638,14 @@ def _nested_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, doc
     # is above this cannot win (_better).
     limit = None if best is None or best[0] else best[1] * (1 + KV_SLACK) if best[2] else best[1]
     configs, parts_of, sized = [], [], set()
-    layouts = [p for p in _nested_layouts(docs, lengths, even_sizes(layout.num_tokens, n), cap,
-                                          [fill * f for f in NESTED_FILLS], mask, limit) if p is not None]
+    if opposed:  # every rank but the shared one holds parts only: its work is known, not estimated
+        rest = total - float(doc_work[index[:2]].sum())
+        layouts = [p for a, b in (docs[:2], docs[1::-1]) for p in opposed_parts(
+            (a, b), (int(lengths[a]), int(lengths[b])), even_sizes(layout.num_tokens, n), POLISH_CAP * total / n, rest,
+            mask) if limit is None or _least_kv(p) <= limit]
+    else:
+        layouts = [p for p in _nested_layouts(docs, lengths, even_sizes(layout.num_tokens, n), cap,
+                                              [fill * f for f in NESTED_FILLS], mask, limit) if p is not None]
     for parts in [Pieces(n - 1 - p.rank if mirrored else p.rank, p.doc, p.start, p.end)
                   for mirrored in NESTED_MIRRORED for p in layouts]:
         key = parts.start.numpy().tobytes() + parts.rank.numpy().tobytes()
