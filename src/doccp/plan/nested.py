@@ -102,69 +102,76 @@ def opposed_parts(docs: tuple[int, int], lengths: tuple[int, int], rank_tokens: 
     both middles on one rank ``m``, which the other documents fill (``rest_work``: their work);
     the second's head maybe on a rank of the first. Every rank but ``m`` is filled by its parts
     exactly, each taking the longest tail its work allows (``cap``) and a head up to its tokens.
-    Up to ``keep`` layouts, the least KV of their own holders first (every ``m``, donor rank and
-    share of :data:`DONATED_HEADS` is sized in one vectorised pass per ``m``)."""
+    Up to ``keep`` distinct layouts, the least KV of their own holders first (every ``m``, donor
+    rank and share of :data:`DONATED_HEADS` sized in one vectorised pass)."""
     n = rank_tokens.numel()
     if n < 2 or min(lengths) <= 0 or not _prefix_mask(mask, max(lengths)):
         return []
-    found: dict[bytes, tuple[int, Pieces]] = {}
-    for m in range(1, n):
-        donor = torch.tensor([-1] + [r for r in range(m) for _ in DONATED_HEADS])
-        share = torch.tensor([0.0] + [s for _ in range(m) for s in DONATED_HEADS], dtype=torch.float64)
-        kv, ok, parts = _opposed(lengths, rank_tokens, cap, rest_work, mask, m, donor, share)
-        for i in torch.nonzero(ok).flatten().tolist():
-            rank, which, start, end = parts[i]
-            p = Pieces(rank, torch.tensor(docs)[which], start, end).select(end > start)
-            found[torch.cat([p.rank, p.doc, p.start]).numpy().tobytes()] = (int(kv[i]), p)  # (shares may tie)
-    return [p for _, p in sorted(found.values(), key=lambda x: x[0])[:keep]]
+    shares = len(DONATED_HEADS)
+    shared = torch.tensor([m for m in range(1, n) for _ in range(1 + m * shares)])
+    donor = torch.tensor([d for m in range(1, n) for d in [-1, *(r for r in range(m) for _ in DONATED_HEADS)]])
+    share = torch.tensor([0.0, *DONATED_HEADS], dtype=torch.float64)[
+        torch.cat([torch.arange(1 + m * shares) for m in range(1, n)]).sub_(1).remainder_(max(shares, 1)).add_(1)
+        * (donor >= 0)]
+    kv, ok, (rank, which, start, end) = _opposed(lengths, rank_tokens, cap, rest_work, mask, shared, donor, share)
+    found: dict[bytes, Pieces] = {}
+    for i in torch.nonzero(ok).flatten()[torch.argsort(kv[ok], stable=True)].tolist():
+        p = Pieces(rank[i], torch.tensor(docs)[which[i]], start[i], end[i]).select(end[i] > start[i])
+        found.setdefault(torch.cat([p.rank, p.doc, p.start]).numpy().tobytes(), p)  # (shares may tie)
+        if len(found) == keep:
+            break
+    return list(found.values())
 
 
 def _opposed(lengths: tuple[int, int], rank_tokens: torch.Tensor, cap: float, rest_work: float, mask: Mask,
-             m: int, donor: torch.Tensor, share: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """:func:`opposed_parts` sharing rank ``m``, for every (``donor``, ``share``) at once (donor -1:
-    none): each layout's max KV of its holders, whether it fits, and its parts as (rank, which
-    document, start, end) columns."""
-    n, c = rank_tokens.numel(), donor.numel()
+             shared: torch.Tensor, donor: torch.Tensor, share: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """:func:`opposed_parts` for every layout at once: layout ``i`` shares rank ``shared[i]`` and
+    donates ``share[i]`` of rank ``donor[i]``'s tokens (-1: none). Each layout's max KV of its
+    holders, whether it fits, and its parts as (rank, which document, start, end) columns, one row
+    per layout (empty parts where a rank holds fewer)."""
+    n, c = rank_tokens.numel(), shared.numel()
     kv, ok, columns = torch.zeros(c, dtype=torch.int64), torch.ones(c, dtype=torch.bool), []
 
     def work(doc: int, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
         return mask.row_work(start, end, lengths[doc]).double()
 
-    def outer(doc: int, r: int, lo: torch.Tensor, hi: torch.Tensor, room: torch.Tensor, limit: torch.Tensor):
-        """Rank ``r`` filled by ``room`` rows of the document's rest ``[lo, hi)``: the longest tail
-        ``t`` within ``limit`` of work and the head ``room - t`` (the work grows with ``t`` while the
-        rest is longer than the room)."""
+    def outer(doc: int, r: int, active: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, room: torch.Tensor,
+              limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank ``r`` (where ``active``) filled by ``room`` rows of the document's rest ``[lo, hi)``:
+        the longest tail ``t`` within ``limit`` of work and the head ``room - t`` (the work grows
+        with ``t`` while the rest is longer than the room)."""
         nonlocal kv, ok
+        room = torch.where(active, room, 1)  # (converges at once)
         lo2, hi2, room2, limit2 = lo[:, None], hi[:, None], room[:, None], limit[:, None]
         t, fits = _longest(lambda t: (t <= room2) & (work(doc, lo2, lo2 + room2 - t) + work(doc, hi2 - t, hi2)
                                                       <= limit2), room)
-        ok = ok & fits & (hi - lo > room)
-        kv = torch.maximum(kv, hi - room)  # the rank lacks every row below its tail but its head
+        ok = ok & (~active | (fits & (hi - lo > room)))
+        kv = torch.where(active, torch.maximum(kv, hi - room), kv)  # it lacks every row below its tail but its head
+        head_end, tail_start = torch.where(active, lo + room - t, lo), torch.where(active, hi - t, hi)
         rank = torch.full((c,), r)
-        columns.extend([(rank, doc, lo, lo + room - t), (rank, doc, hi - t, hi)])
-        return lo + room - t, hi - t
+        columns.extend([(rank, doc, lo, head_end), (rank, doc, tail_start, hi)])
+        return head_end, tail_start
 
     lo, hi = torch.zeros(c, dtype=torch.int64), torch.full((c,), lengths[0])
     head = torch.zeros(c, dtype=torch.int64)  # the second document's donated head
-    for r in range(m):
+    for r in range(n - 1):
         tokens = int(rank_tokens[r])
         h = torch.where(donor == r, (share * tokens).long().clamp(max=lengths[1]), 0)
         head += h
-        lo, hi = outer(0, r, lo, hi, tokens - h, cap - work(1, torch.zeros_like(h), h))
+        lo, hi = outer(0, r, r < shared, lo, hi, tokens - h, cap - work(1, torch.zeros_like(h), h))
     columns.append((donor.clamp(min=0), 1, torch.zeros_like(head), head))
     lo_b, hi_b = head.clone(), torch.full((c,), lengths[1])
-    for r in range(n - 1, m, -1):
-        lo_b, hi_b = outer(1, r, lo_b, hi_b, torch.full((c,), int(rank_tokens[r])), torch.full((c,), cap))
+    for r in range(n - 1, 0, -1):
+        lo_b, hi_b = outer(1, r, r > shared, lo_b, hi_b, torch.full((c,), int(rank_tokens[r])),
+                           torch.full((c,), cap))
     # The shared rank: both middles and the other documents.
-    ok = ok & ((hi - lo) + (hi_b - lo_b) <= int(rank_tokens[m])) & (
+    ok = ok & ((hi - lo) + (hi_b - lo_b) <= rank_tokens[shared]) & (
         work(0, lo, hi) + work(1, lo_b, hi_b) + rest_work <= cap)
     kv = torch.maximum(kv, lo + torch.where(hi_b > lo_b, lo_b, 0))
-    rank = torch.full((c,), m)
-    columns.extend([(rank, 0, lo, hi), (rank, 1, lo_b, hi_b)])
-    parts = [[torch.stack([col[k] if torch.is_tensor(col[k]) else torch.full((c,), col[k]) for col in columns], 1)
-              for k in range(4)]]
-    rank_, doc_, start_, end_ = parts[0]
-    return kv, ok, [(rank_[i], doc_[i], start_[i], end_[i]) for i in range(c)]
+    columns.extend([(shared, 0, lo, hi), (shared, 1, lo_b, hi_b)])
+    return kv, ok, tuple(torch.stack([col[k] if torch.is_tensor(col[k]) else torch.full((c,), col[k])
+                                      for col in columns], 1) for k in range(4))
 
 
 def _prefix_mask(mask: Mask, length: int) -> bool:
