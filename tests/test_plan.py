@@ -1338,9 +1338,9 @@ def test_nested_parts_keep_every_bound_they_promise(length, rank_tokens, cap_sha
 def test_opposed_parts_keep_every_bound_they_promise(first, second, rest, n, cap_share):
     """Two documents nested from opposite ends: the parts tile both; every rank but the shared one
     holds exactly its tokens of them, the shared one leaves exactly the other documents' tokens,
-    and every rank's work is within the cap (the shared one's with the other documents'); the
-    first is nested from rank 0, the second from rank N - 1 but for a head on a rank of the first;
-    the layouts come least KV first."""
+    and every rank's work is within the cap (the shared one's with the other documents'); one is
+    nested from rank 0, the other from rank N - 1 but for a head on a rank of the first; the
+    layouts are distinct and come least KV first."""
     from doccp.plan.nested import opposed_parts
     from doccp.plan.pieces import even_sizes
     mask, tokens = Mask.causal(), even_sizes(first + second + rest, n)
@@ -1362,7 +1362,10 @@ def test_opposed_parts_keep_every_bound_they_promise(first, second, rest, n, cap
             0, parts.rank, mask.row_work(parts.start, parts.end, torch.where(parts.doc == 7, first, second)).double())
         work[short] += work_of[2]
         assert bool((work <= cap * (1 + 1e-12)).all())
-        a, b = parts.select(parts.doc == 7), parts.select(parts.doc == 9)
+        on_zero = parts.select(parts.rank == 0)  # nested from rank 0: its tail is there (a donated head starts at 0)
+        tail = (on_zero.start > 0) & (on_zero.end == torch.where(on_zero.doc == 7, first, second))
+        from_zero = int(on_zero.doc[tail])
+        a, b = parts.select(parts.doc == from_zero), parts.select(parts.doc != from_zero)
         shared = int(a.rank.max())
         donated = b.select((b.start == 0) & (b.rank < shared))  # the second's head on a rank of the first
         b = b.select(~((b.start == 0) & (b.rank < shared)))
@@ -1375,7 +1378,8 @@ def test_opposed_parts_keep_every_bound_they_promise(first, second, rest, n, cap
         top = torch.zeros(n * 2, dtype=torch.int64).scatter_reduce_(
             0, parts.rank * 2 + (parts.doc == 9).long(), parts.end, "amax").view(n, 2)
         kvs.append(int((top.sum(1) - held).max()))
-    assert kvs == sorted(kvs)
+    assert kvs == sorted(kvs) and len({torch.cat([p.rank, p.doc, p.start]).numpy().tobytes() for p in layouts}) == len(
+        layouts)
     if (first, second, rest, n) == (71580, 59492, 0, 4):
         assert kvs[0] <= 47000  # (the planner before them: 61392; the lower bound 38812)
 

@@ -629,7 +629,7 @@ def _nested_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, doc
     and cut pieces, or None. ``at_once``: the plans solved in one pass (else one at a time);
     ``best``: the score to beat (parts whose own KV shows that no plan pinning them can are
     skipped); ``opposed``: the first two of ``docs`` nested from opposite ends instead, sharing a
-    rank (:func:`~doccp.plan.nested.opposed_parts`, each of the two first)."""
+    rank (:func:`~doccp.plan.nested.opposed_parts`)."""
     lengths, total = layout.lengths, float(doc_work.sum())
     index = torch.tensor(docs, dtype=torch.int64)
     fill = (total - float(doc_work[index].sum())) / max(layout.num_tokens - int(lengths[index].sum()), 1)
@@ -640,9 +640,9 @@ def _nested_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, doc
     configs, parts_of, sized = [], [], set()
     if opposed:  # every rank but the shared one holds parts only: its work is known, not estimated
         rest = total - float(doc_work[index[:2]].sum())
-        layouts = [p for a, b in (docs[:2], docs[1::-1]) for p in opposed_parts(
-            (a, b), (int(lengths[a]), int(lengths[b])), even_sizes(layout.num_tokens, n), POLISH_CAP * total / n, rest,
-            mask) if limit is None or _least_kv(p) <= limit]
+        layouts = [p for p in opposed_parts((docs[0], docs[1]), (int(lengths[docs[0]]), int(lengths[docs[1]])),
+                                            even_sizes(layout.num_tokens, n), POLISH_CAP * total / n, rest, mask)
+                   if limit is None or _least_kv(p) <= limit]
     else:
         layouts = [p for p in _nested_layouts(docs, lengths, even_sizes(layout.num_tokens, n), cap,
                                               [fill * f for f in NESTED_FILLS], mask, limit) if p is not None]

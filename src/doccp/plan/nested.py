@@ -60,8 +60,11 @@ TAIL_GRID = 64
 #: Shares of a rank's tokens the second of two opposed documents may donate of its head to a rank
 #: of the first (:func:`opposed_parts`): a head is free of KV for a holder of nothing above it.
 DONATED_HEADS = tuple(j / 8 for j in range(1, 8))
+#: Tail lengths tried per refinement in :func:`opposed_parts` (it sizes hundreds of layouts at once,
+#: and a finer grid costs more per refinement than the refinements it saves).
+OPPOSED_GRID = 8
 #: Opposed layouts :func:`opposed_parts` returns, the least KV of their own holders first.
-OPPOSED_KEEP = 2
+OPPOSED_KEEP = 4
 
 
 def nested_parts(doc: int, length: int, rank_tokens: torch.Tensor, cap: float, fill_densities: Sequence[float],
@@ -98,12 +101,12 @@ def nested_parts(doc: int, length: int, rank_tokens: torch.Tensor, cap: float, f
 def opposed_parts(docs: tuple[int, int], lengths: tuple[int, int], rank_tokens: torch.Tensor, cap: float,
                   rest_work: float, mask: Mask, keep: int = OPPOSED_KEEP) -> list[Pieces]:
     """Two documents too big to stay whole, nested from opposite ends and sharing a rank (the
-    second section of the module docstring): the first from rank 0, the second from rank N - 1,
-    both middles on one rank ``m``, which the other documents fill (``rest_work``: their work);
-    the second's head maybe on a rank of the first. Every rank but ``m`` is filled by its parts
-    exactly, each taking the longest tail its work allows (``cap``) and a head up to its tokens.
-    Up to ``keep`` distinct layouts, the least KV of their own holders first (every ``m``, donor
-    rank and share of :data:`DONATED_HEADS` sized in one vectorised pass)."""
+    second section of the module docstring): one from rank 0, the other from rank N - 1 (each of
+    the two first), both middles on one rank ``m``, which the other documents fill (``rest_work``:
+    their work); the second's head maybe on a rank of the first. Every rank but ``m`` is filled by
+    its parts exactly, each taking the longest tail its work allows (``cap``) and a head up to its
+    tokens. Up to ``keep`` distinct layouts, the least KV of their own holders first (both orders,
+    every ``m``, donor rank and share of :data:`DONATED_HEADS` sized in one vectorised pass)."""
     n = rank_tokens.numel()
     if n < 2 or min(lengths) <= 0 or not _prefix_mask(mask, max(lengths)):
         return []
@@ -113,28 +116,34 @@ def opposed_parts(docs: tuple[int, int], lengths: tuple[int, int], rank_tokens: 
     share = torch.tensor([0.0, *DONATED_HEADS], dtype=torch.float64)[
         torch.cat([torch.arange(1 + m * shares) for m in range(1, n)]).sub_(1).remainder_(max(shares, 1)).add_(1)
         * (donor >= 0)]
-    kv, ok, (rank, which, start, end) = _opposed(lengths, rank_tokens, cap, rest_work, mask, shared, donor, share)
+    swapped = torch.arange(2).repeat_interleave(shared.numel())  # 1: the second document from rank 0
+    first, second = torch.tensor(lengths)[swapped], torch.tensor(lengths)[1 - swapped]
+    kv, ok, (rank, which, start, end) = _opposed(first, second, rank_tokens, cap, rest_work, mask,
+                                                 shared.repeat(2), donor.repeat(2), share.repeat(2))
+    doc = torch.tensor(docs)[which ^ swapped[:, None]]
     found: dict[bytes, Pieces] = {}
     for i in torch.nonzero(ok).flatten()[torch.argsort(kv[ok], stable=True)].tolist():
-        p = Pieces(rank[i], torch.tensor(docs)[which[i]], start[i], end[i]).select(end[i] > start[i])
+        p = Pieces(rank[i], doc[i], start[i], end[i]).select(end[i] > start[i])
         found.setdefault(torch.cat([p.rank, p.doc, p.start]).numpy().tobytes(), p)  # (shares may tie)
         if len(found) == keep:
             break
     return list(found.values())
 
 
-def _opposed(lengths: tuple[int, int], rank_tokens: torch.Tensor, cap: float, rest_work: float, mask: Mask,
-             shared: torch.Tensor, donor: torch.Tensor, share: torch.Tensor
+def _opposed(first: torch.Tensor, second: torch.Tensor, rank_tokens: torch.Tensor, cap: float, rest_work: float,
+             mask: Mask, shared: torch.Tensor, donor: torch.Tensor, share: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
-    """:func:`opposed_parts` for every layout at once: layout ``i`` shares rank ``shared[i]`` and
-    donates ``share[i]`` of rank ``donor[i]``'s tokens (-1: none). Each layout's max KV of its
-    holders, whether it fits, and its parts as (rank, which document, start, end) columns, one row
-    per layout (empty parts where a rank holds fewer)."""
+    """:func:`opposed_parts` for every layout at once: layout ``i`` nests a document of
+    ``first[i]`` tokens from rank 0 and one of ``second[i]`` from rank N - 1, shares rank
+    ``shared[i]`` and donates ``share[i]`` of rank ``donor[i]``'s tokens (-1: none). Each layout's
+    max KV of its holders, whether it fits, and its parts as (rank, which document: 0 the first,
+    start, end) columns, one row per layout (empty parts where a rank holds fewer)."""
     n, c = rank_tokens.numel(), shared.numel()
     kv, ok, columns = torch.zeros(c, dtype=torch.int64), torch.ones(c, dtype=torch.bool), []
+    lengths = torch.stack([first, second], 1)
 
     def work(doc: int, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-        return mask.row_work(start, end, lengths[doc]).double()
+        return mask.row_work(start, end, lengths[:, doc].view(-1, *[1] * (start.dim() - 1))).double()
 
     def outer(doc: int, r: int, active: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, room: torch.Tensor,
               limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +154,7 @@ def _opposed(lengths: tuple[int, int], rank_tokens: torch.Tensor, cap: float, re
         room = torch.where(active, room, 1)  # (converges at once)
         lo2, hi2, room2, limit2 = lo[:, None], hi[:, None], room[:, None], limit[:, None]
         t, fits = _longest(lambda t: (t <= room2) & (work(doc, lo2, lo2 + room2 - t) + work(doc, hi2 - t, hi2)
-                                                      <= limit2), room)
+                                                      <= limit2), room, OPPOSED_GRID)
         ok = ok & (~active | (fits & (hi - lo > room)))
         kv = torch.where(active, torch.maximum(kv, hi - room), kv)  # it lacks every row below its tail but its head
         head_end, tail_start = torch.where(active, lo + room - t, lo), torch.where(active, hi - t, hi)
@@ -153,15 +162,15 @@ def _opposed(lengths: tuple[int, int], rank_tokens: torch.Tensor, cap: float, re
         columns.extend([(rank, doc, lo, head_end), (rank, doc, tail_start, hi)])
         return head_end, tail_start
 
-    lo, hi = torch.zeros(c, dtype=torch.int64), torch.full((c,), lengths[0])
+    lo, hi = torch.zeros(c, dtype=torch.int64), first.clone()
     head = torch.zeros(c, dtype=torch.int64)  # the second document's donated head
     for r in range(n - 1):
         tokens = int(rank_tokens[r])
-        h = torch.where(donor == r, (share * tokens).long().clamp(max=lengths[1]), 0)
+        h = torch.where(donor == r, torch.minimum((share * tokens).long(), second), 0)
         head += h
         lo, hi = outer(0, r, r < shared, lo, hi, tokens - h, cap - work(1, torch.zeros_like(h), h))
     columns.append((donor.clamp(min=0), 1, torch.zeros_like(head), head))
-    lo_b, hi_b = head.clone(), torch.full((c,), lengths[1])
+    lo_b, hi_b = head.clone(), second.clone()
     for r in range(n - 1, 0, -1):
         lo_b, hi_b = outer(1, r, r > shared, lo_b, hi_b, torch.full((c,), int(rank_tokens[r])),
                            torch.full((c,), cap))
@@ -241,16 +250,17 @@ class _Greedy:
         return _longest(fits, room)
 
 
-def _longest(fits: Callable[[torch.Tensor], torch.Tensor], most: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _longest(fits: Callable[[torch.Tensor], torch.Tensor], most: torch.Tensor, points: int = TAIL_GRID
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the largest ``t`` in ``[1, most]`` that ``fits`` (called with ``t`` of shape
-    ``[rows, k]``; monotone: a prefix of the ``t`` fit), found on a grid refined where it turns,
-    and whether ``t = 1`` fits."""
+    ``[rows, k]``; monotone: a prefix of the ``t`` fit), found on a grid of ``points`` refined
+    where it turns, and whether ``t = 1`` fits."""
     t_lo, t_hi = torch.ones_like(most)[:, None], most.clamp(min=1)[:, None]
     ok = fits(t_lo)
-    steps = torch.arange(1, TAIL_GRID + 1)
+    steps = torch.arange(1, points + 1)
     while bool((t_lo < t_hi).any()):
-        grid = t_lo + (t_hi - t_lo) * steps // TAIL_GRID  # points in (t_lo, t_hi], the last t_hi
+        grid = t_lo + (t_hi - t_lo) * steps // points  # points in (t_lo, t_hi], the last t_hi
         fitting = fits(grid).sum(1, keepdim=True)  # a prefix of the grid (the work grows with t)
         t_lo, t_hi = (torch.where(fitting > 0, grid.gather(1, (fitting - 1).clamp(min=0)), t_lo),
-                      torch.where(fitting < TAIL_GRID, grid.gather(1, fitting.clamp(max=TAIL_GRID - 1)) - 1, t_hi))
+                      torch.where(fitting < points, grid.gather(1, fitting.clamp(max=points - 1)) - 1, t_hi))
     return t_lo[:, 0], ok[:, 0]
