@@ -286,11 +286,12 @@ POLISH_CAP = TOLERANCE - 1e-9
 #: it, the plan is polished again within its own busiest rank's work, which costs no balance.
 POLISH_GAIN = 0.01
 #: Best plans of the search kept and polished, each where its max KV less :data:`POLISH_REACH` of it
-#: is below the best's (a polish saves up to ~15%: a plan further behind cannot win). Polishing the
-#: next two too, on 320 layouts of 5 mixes at N 2-32: 19 with less KV, up to 100% (pretrain #0 over
-#: 2 ranks: 56 -> 0 keys), none with more.
+#: is below the best's (a plan further behind rarely polishes lower). Polishing the next two too, on
+#: 320 layouts of 5 mixes at N 2-32: 24 with less KV, up to 64% (pretrain #0 over 4 ranks: 87 -> 31
+#: keys; long #6 over 6 ranks: 56780 -> 47379), none with more, for 3% more host time (with a reach
+#: of 0.2: 27 with less, one more by the scorer; six plans: 5 more with less, 7% more time).
 POLISHED = 3
-POLISH_REACH = 0.2
+POLISH_REACH = 0.1
 
 
 #: A candidate plan's score (:func:`_score`), compared by :func:`_better`.
