@@ -1893,6 +1893,39 @@ def test_polish_trades_rows_between_two_ranks():
     assert max(tight.work) <= 3460 and 34 < tight.kv_received[0] <= 46
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 9)), min_size=2, max_size=14),
+       st.dictionaries(st.integers(0, 12), st.integers(-9, 9), max_size=4), st.integers(0, 5), st.integers(0, 5))
+def test_polish_scores_a_move_from_the_two_ranks_pieces_alone(runs, shifts, top, other):
+    """A move's KV is read from the pieces of its two ranks and its validity from the pieces next to
+    a moved boundary (not every piece of the document: a long one cut over 64 ranks has 127): the
+    same figures, and the same refusals, as one pass over all of them."""
+    parts, at = [], 0
+    for rank, length in runs:  # a document's pieces in row order (touching ones of a rank merged)
+        if parts and parts[-1][0] == rank:
+            parts[-1][2] += length
+        else:
+            parts.append([rank, at, at + length])
+        at += length
+    shifts = {i: shift for i, shift in shifts.items() if i < len(parts) - 1}
+    ranks = (top, other)
+
+    def every_piece():
+        top_row, own = dict.fromkeys(ranks, 0), dict.fromkeys(ranks, 0)
+        for i, (r, a, b) in enumerate(parts):
+            a, b = a + shifts.get(i - 1, 0), b + shifts.get(i, 0)
+            if b < a:
+                return None
+            if r in top_row and b > a:
+                top_row[r], own[r] = max(top_row[r], b), own[r] + b - a
+        return {r: top_row[r] - own[r] for r in ranks}
+
+    pieces_of: dict[int, list[int]] = {}
+    for i, (r, _, _) in enumerate(parts):
+        pieces_of.setdefault(r, []).append(i)
+    assert polish_module._received_shifted(parts, shifts, ranks, pieces_of) == every_piece()
+
+
 def test_polish_keeps_tokens_cuts_and_balance_and_never_raises_the_max_kv():
     """On the search's own plans of small batches of every mix (2-8 ranks): a polished plan still
     tiles the stream, gives every rank the same tokens, cuts no document the plan did not cut, keeps

@@ -32,7 +32,7 @@ the search ends, after :data:`ROUNDS` rounds or :data:`EVALUATIONS` moves scored
 tokens over 2-64 ranks it lowers the KV of 151 of 240 plans, 42 of them by 1% or more (which the
 planner keeps: :data:`doccp.plan.balanced.POLISH_GAIN`), most where a few long documents are cut
 (long mix #1 over 4 ranks: 0.611 -> 0.565 of an all-gather, the lower bound 0.556), in
-milliseconds of host work (each move scored is O(pieces of its documents)).
+milliseconds of host work (each move scored reads its two ranks' pieces of its documents).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ import torch
 from doccp.plan.pieces import Pieces
 from doccp.ranges import any_true, stable_order, take
 
-#: Most moves per polish, and most moves scored (each O(pieces of one or two documents); a round
-#: scores about 20 per pair of the top rank's boundaries, and the round that spends the budget
+#: Most moves per polish, and most moves scored (each O(its two ranks' pieces of one or two documents);
+#: a round scores about 20 per pair of the top rank's boundaries, and the round that spends the budget
 #: applies its best move yet). On the benchmark's layouts (131k tokens, 4 mixes, 2-16 ranks), 64
 #: rounds and 8x the moves scored lowered no mean KV by more than 0.0003 of an all-gather.
 ROUNDS = 16
@@ -101,6 +101,7 @@ class _Search:
         self._wholes: dict[int, list[tuple[int, int]]] = {}
         self.given: dict[int, int] = {}  # whole documents moved: their new rank
         self._received: dict[int, dict[int, int]] = {}
+        self._pieces_of: dict[int, dict[int, list[int]]] = {}
         self.scored = 0  # moves scored so far
 
     def step(self) -> bool:
@@ -184,9 +185,9 @@ class _Search:
 
     def _moved(self, top: int, other: int, shifts, given: tuple[int, int, int] | None = None) -> _Move | None:
         """The move of ``(document, boundary, shift)`` shifts, or None if boundaries cross or a
-        rank's work would exceed the cap. O(pieces of its documents), nothing copied: the rows a
-        boundary hands over change two ranks' work by their pairs, and the two ranks' KV in a
-        document is one pass over its pieces with the shifted ends read in place."""
+        rank's work would exceed the cap. O(the two ranks' pieces of its documents), nothing copied:
+        the rows a boundary hands over change two ranks' work by their pairs, and the two ranks' KV
+        in a document is one pass over their pieces with the shifted ends read in place."""
         self.scored += 1
         moved: dict[int, dict[int, int]] = {}  # document -> boundary -> shift
         work = {top: self.work[top], other: self.work[other]}
@@ -205,7 +206,7 @@ class _Search:
             return None
         kv = dict.fromkeys((top, other), 0)
         for d, at in moved.items():
-            seen = _received_shifted(self.docs[d], at, (top, other))
+            seen = _received_shifted(self.docs[d], at, (top, other), self.pieces_of(d))
             if seen is None:
                 return None
             for r in kv:
@@ -225,6 +226,15 @@ class _Search:
             self._received[d] = _received(self.docs[d])
         return self._received[d]
 
+    def pieces_of(self, d: int) -> dict[int, list[int]]:
+        """Document ``d``'s pieces of each rank (their indices), cached until a move changes it."""
+        if d not in self._pieces_of:
+            held: dict[int, list[int]] = {}
+            for i, (r, _, _) in enumerate(self.docs[d]):
+                held.setdefault(r, []).append(i)
+            self._pieces_of[d] = held
+        return self._pieces_of[d]
+
     def apply(self, move: _Move) -> None:
         for d, at in move.shifts.items():
             parts = [p[:] for p in self.docs[d]]
@@ -233,6 +243,7 @@ class _Search:
                 parts[i + 1][1] += shift
             self.docs[d] = _merged(parts)
             self._received.pop(d, None)
+            self._pieces_of.pop(d, None)
         for r, v in move.kv.items():
             self.kv[r] = v
         for r, v in move.work.items():
@@ -268,20 +279,28 @@ def _received(parts: Parts) -> dict[int, int]:
     return {r: top[r] - own[r] for r in top}
 
 
-def _received_shifted(parts: Parts, shifts: dict[int, int], ranks: tuple[int, int]) -> dict[int, int] | None:
+def _received_shifted(parts: Parts, shifts: dict[int, int], ranks: tuple[int, int],
+                      pieces_of: dict[int, list[int]]) -> dict[int, int] | None:
     """:func:`_received` of ``ranks`` in a document whose boundaries ``i`` moved by ``shifts[i]``
     (the end of piece i and the start of piece i + 1), or None where a piece would end before it
-    starts."""
-    top = dict.fromkeys(ranks, 0)
-    own = dict.fromkeys(ranks, 0)
-    for i, (r, a, b) in enumerate(parts):
-        a, b = a + shifts.get(i - 1, 0), b + shifts.get(i, 0)
-        if b < a:
+    starts. ``pieces_of``: the document's pieces of each rank (only those of ``ranks`` are read,
+    and only the pieces next to a moved boundary can turn empty: O(their pieces), not the
+    document's, which a long one cut over 64 ranks has 127 of)."""
+    for i, shift in shifts.items():
+        if (parts[i][2] + shift < parts[i][1] + shifts.get(i - 1, 0)
+                or parts[i + 1][2] + shifts.get(i + 1, 0) < parts[i + 1][1] + shift):
             return None
-        if r in top and b > a:
-            top[r] = max(top[r], b)
-            own[r] += b - a
-    return {r: top[r] - own[r] for r in ranks}
+    out = {}
+    for r in ranks:
+        top = own = 0
+        for i in pieces_of.get(r, ()):
+            _, a, b = parts[i]
+            a, b = a + shifts.get(i - 1, 0), b + shifts.get(i, 0)
+            if b > a:
+                top = max(top, b)
+                own += b - a
+        out[r] = top - own
+    return out
 
 
 def _room(parts: Parts, i: int, sign: int) -> int:
