@@ -989,6 +989,7 @@ def test_costlier_candidates_run_while_the_plan_receives_much(monkeypatch):
     kept = plan(small, 8).stats().max_kv_fraction
     assert kept * (small.num_tokens - small.num_tokens // 8) < balanced.KV_BIG_TOKENS and not bisections
     monkeypatch.setattr(balanced, "KV_BIG", balanced.KV_HEAVY)
+    monkeypatch.setattr(balanced, "NESTED_KV", balanced.KV_HEAVY)  # (alone, the nested parts find 0.090)
     stopped = plan(layout, 4).stats().max_kv_fraction
     assert 0.15 < stopped < contiguous + balanced.KV_GOAL
     monkeypatch.setattr(balanced, "KV_BIG", 0.08)
@@ -1462,6 +1463,18 @@ def test_nested_plan_is_skipped_only_where_it_cannot_win(monkeypatch):
         else:
             solved += 1
     assert skipped and solved  # both ways taken
+
+
+def test_balanced_nests_documents_where_the_plan_is_within_the_goal(monkeypatch):
+    """Pareto #2 over 6 ranks (131k tokens): the search's plan receives 0.075 of an all-gather, within
+    the goal (here KV_BIG, 0.08), below which the nested parts were not tried; tried above NESTED_KV
+    (0.05), they give 0.050, still balanced (the contiguous split, unbalanced: 0.054)."""
+    layout = DocLayout.from_lengths(workloads.layouts("pareto", 131072, 8)[2])
+    s = plan(layout, 6).stats()
+    assert s.imbalance <= 1.01 and max(s.tokens) - min(s.tokens) <= 1
+    assert s.max_kv_fraction <= 0.051, s.max_kv_fraction
+    monkeypatch.setattr(balanced, "NESTED_KV", 1.0)  # the goal alone
+    assert plan(layout, 6).stats().max_kv_fraction == pytest.approx(0.0749, abs=0.0005)
 
 
 @pytest.mark.parametrize("lengths, n", [([3579, 2975], 8), ([137, 40, 6747, 117, 6066], 16)])

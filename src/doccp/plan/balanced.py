@@ -262,6 +262,15 @@ NESTED_FILLS = (1.0, 0.6, 0.3)
 #: Most documents too big to stay whole whose nested parts are pinned together, each on ranks of
 #: its own (the heaviest from rank 0, each next one after the last rank of the one before).
 NESTED_DOCS = 3
+#: The nested parts are tried where the best plan receives more than this share of an all-gather
+#: and NESTED_KV_TOKENS tokens (or the goal, if lower). A plan within the goal may still gain from
+#: them: above 0.05 rather than the goal, 6 layouts of 320 (5 mixes x 8 layouts x N 2-32) receive
+#: less, none more, up to 33% (pareto #2 over 6 ranks 0.075 -> 0.050 of an all-gather), for 2% more
+#: planning time in all (10-15% on the pareto and lognormal mixes at N 4-8). In a small batch the
+#: same share is a few hundred tokens, and the search took a third longer for them (32k tokens
+#: over 8 ranks: a mean of 42 -> 56 ms), so it waits for a few thousand.
+NESTED_KV = 0.05
+NESTED_KV_TOKENS = 4096
 #: The nested parts are pinned from rank 0 outwards-in and also mirrored, from rank N - 1: a
 #: sequence plan's first ranks take the costly last rows of the densest documents it cuts (and
 #: receive their prefixes), and rank 0, the outermost holder of the parts, receives the most of
@@ -353,6 +362,7 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     contiguous = _score(cut_stream(layout.cu_seqlens, even_sizes(layout.num_tokens, n)), layout, n, mask, whole)
     kv_goal = min(contiguous[0][1] + KV_GOAL * allgather, KV_HEAVY * allgather,
                   max(KV_BIG * allgather, KV_BIG_TOKENS))
+    nested_goal = min(kv_goal, max(NESTED_KV * allgather, NESTED_KV_TOKENS))  # (see NESTED_KV)
     # Round 0 (no pins) of the probes, then pinning rounds, until _done. Round 0 of a chunking is
     # solved once (``unpinned``); a chunking that cannot balance is not pinned.
     chunkings = _distinct_chunkings(lengths, whole, rank_tokens)
@@ -483,13 +493,13 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
         result = solve(chunks, first_pins(chunks))
         if result is not None:
             keep(result[0], result[1])
-    # A few documents too big to stay whole, the KV above the goal: their nested parts, pinned; and
+    # A few documents too big to stay whole, the KV above NESTED_KV: their nested parts, pinned; and
     # the heaviest one's alone, the others shared out by the sequence (where they need more ranks
     # than the nesting leaves them: long #1 over 4 ranks, two of 2.4 and 1.7 ranks' work each,
     # 0.663 -> 0.611 of an all-gather).
     big = torch.nonzero(~whole & (lengths > 0)).flatten()
     if 0 < big.numel() <= NESTED_DOCS and n <= PACK_RANKS and (
-            best_score is None or best_score[0] or best_score[1] > kv_goal):
+            best_score is None or best_score[0] or best_score[1] > nested_goal):
         heaviest = big[torch.argsort(doc_work[big], descending=True, stable=True)].tolist()
         configs = len(NESTED_FILLS) * len(NESTED_MIRRORED) * (1 + len(PACK_HOSTED_RESERVE))
         result = _nested_plan(layout, n, mask, whole, doc_work, heaviest, at_once=ahead(configs, 1), best=best_score)
