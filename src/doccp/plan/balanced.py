@@ -266,9 +266,11 @@ NESTED_DOCS = 3
 #: and NESTED_KV_TOKENS tokens (or the goal, if lower). A plan within the goal may still gain from
 #: them: above 0.05 rather than the goal, 6 layouts of 320 (5 mixes x 8 layouts x N 2-32) receive
 #: less, none more, up to 33% (pareto #2 over 6 ranks 0.075 -> 0.050 of an all-gather), for 2% more
-#: planning time in all (10-15% on the pareto and lognormal mixes at N 4-8). In a small batch the
-#: same share is a few hundred tokens, and the search took a third longer for them (32k tokens
-#: over 8 ranks: a mean of 42 -> 56 ms), so it waits for a few thousand.
+#: planning time in all (up to 10% on the pareto and pretrain mixes at N 4-8, 30 ms on a layout where
+#: the parts run and lose: pretrain #2 over 8 ranks 97 -> 125 ms). In a small batch the same share is
+#: a few hundred tokens: without the floor, 4 of 320 layouts of 8k and 32k tokens (every mix, N 2-16)
+#: received less and 1 more, and the search took 30% longer (32k tokens over 8 ranks: a mean of 42
+#: -> 55 ms), so it waits for a few thousand.
 NESTED_KV = 0.05
 NESTED_KV_TOKENS = 4096
 #: The nested parts are pinned from rank 0 outwards-in and also mirrored, from rank N - 1: a
