@@ -173,13 +173,20 @@ CHUNKS_PER_RANK = (0, 4, 16, 64, 256, 1024)
 #: much: trying them above 0.08 of an all-gather, not only above 0.25, lowered the KV on 34 of 240
 #: layouts of 131k tokens (5 mixes, N 2-64; pretrain over 4 ranks, layout 5: 0.163 -> 0.092; mean
 #: pretrain N = 8 0.185 -> 0.169, lognormal N = 64 worst 0.122 -> 0.099) and raised it on 2 (by at
-#: most 0.009, for fewer documents cut), for about 12% more planning time there. In a small batch
+#: most 0.009, for fewer documents cut), for about 12% more planning time there. Above 0.05 and 4096
+#: tokens, not 0.08 and 8192: 9 of 320 layouts of 131k tokens (5 mixes x 8 layouts x N 2-32) receive
+#: less, up to 33% (pareto #2 over 6 ranks 0.075 -> 0.050; pretrain #3 over 8 ranks 0.077 -> 0.061),
+#: 2 more by under 5%, for fewer documents cut (pretrain #2 over 6 ranks 6388 -> 6720 keys, 6 cut
+#: instead of 10); and 7 of 320 layouts of 8k and 32k tokens (N 2-16) less by 5-10%, none more; for
+#: about 5% more planning time in all (up to 18% on the pareto and pretrain mixes at N 4-16; most of
+#: it where they win, 35 ms where they lose: pretrain #2 over 8 ranks 99 -> 133 ms). In a small batch
 #: the same KV share is few tokens, and the search took 2-4x as long (32k tokens over 8 ranks: a
-#: median of 38 -> 140 ms), so the lower threshold waits for a few thousand tokens of KV.
+#: median of 38 -> 140 ms with no floor at 0.08), so the lower threshold waits for a few thousand
+#: tokens of KV.
 KV_GOAL = 0.05
 KV_HEAVY = 0.25
-KV_BIG = 0.08
-KV_BIG_TOKENS = 8192
+KV_BIG = 0.05
+KV_BIG_TOKENS = 4096
 #: Where the sequences of the plans solved together hold at most this many chunks (and few ranks),
 #: the search solves ahead: the first probes in one pass, and a pinning pass in lockstep (every
 #: chain's rounds, a round at a time for all chains) where it is likely to run long. Such layouts are
@@ -262,17 +269,6 @@ NESTED_FILLS = (1.0, 0.6, 0.3)
 #: Most documents too big to stay whole whose nested parts are pinned together, each on ranks of
 #: its own (the heaviest from rank 0, each next one after the last rank of the one before).
 NESTED_DOCS = 3
-#: The nested parts are tried where the best plan receives more than this share of an all-gather
-#: and NESTED_KV_TOKENS tokens (or the goal, if lower). A plan within the goal may still gain from
-#: them: above 0.05 rather than the goal, 6 layouts of 320 (5 mixes x 8 layouts x N 2-32) receive
-#: less, none more, up to 33% (pareto #2 over 6 ranks 0.075 -> 0.050 of an all-gather), for 2% more
-#: planning time in all (up to 10% on the pareto and pretrain mixes at N 4-8, 30 ms on a layout where
-#: the parts run and lose: pretrain #2 over 8 ranks 97 -> 125 ms). In a small batch the same share is
-#: a few hundred tokens: without the floor, 4 of 320 layouts of 8k and 32k tokens (every mix, N 2-16)
-#: received less and 1 more, and the search took 30% longer (32k tokens over 8 ranks: a mean of 42
-#: -> 55 ms), so it waits for a few thousand.
-NESTED_KV = 0.05
-NESTED_KV_TOKENS = 4096
 #: The nested parts are pinned from rank 0 outwards-in and also mirrored, from rank N - 1: a
 #: sequence plan's first ranks take the costly last rows of the densest documents it cuts (and
 #: receive their prefixes), and rank 0, the outermost holder of the parts, receives the most of
@@ -364,7 +360,6 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     contiguous = _score(cut_stream(layout.cu_seqlens, even_sizes(layout.num_tokens, n)), layout, n, mask, whole)
     kv_goal = min(contiguous[0][1] + KV_GOAL * allgather, KV_HEAVY * allgather,
                   max(KV_BIG * allgather, KV_BIG_TOKENS))
-    nested_goal = min(kv_goal, max(NESTED_KV * allgather, NESTED_KV_TOKENS))  # (see NESTED_KV)
     # Round 0 (no pins) of the probes, then pinning rounds, until _done. Round 0 of a chunking is
     # solved once (``unpinned``); a chunking that cannot balance is not pinned.
     chunkings = _distinct_chunkings(lengths, whole, rank_tokens)
@@ -495,13 +490,13 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
         result = solve(chunks, first_pins(chunks))
         if result is not None:
             keep(result[0], result[1])
-    # A few documents too big to stay whole, the KV above NESTED_KV: their nested parts, pinned; and
+    # A few documents too big to stay whole, the KV above the goal: their nested parts, pinned; and
     # the heaviest one's alone, the others shared out by the sequence (where they need more ranks
     # than the nesting leaves them: long #1 over 4 ranks, two of 2.4 and 1.7 ranks' work each,
     # 0.663 -> 0.611 of an all-gather).
     big = torch.nonzero(~whole & (lengths > 0)).flatten()
     if 0 < big.numel() <= NESTED_DOCS and n <= PACK_RANKS and (
-            best_score is None or best_score[0] or best_score[1] > nested_goal):
+            best_score is None or best_score[0] or best_score[1] > kv_goal):
         heaviest = big[torch.argsort(doc_work[big], descending=True, stable=True)].tolist()
         configs = len(NESTED_FILLS) * len(NESTED_MIRRORED) * (1 + len(PACK_HOSTED_RESERVE))
         result = _nested_plan(layout, n, mask, whole, doc_work, heaviest, at_once=ahead(configs, 1), best=best_score)
