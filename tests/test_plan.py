@@ -973,11 +973,11 @@ def test_matched_packing_leaves_every_rank_the_reserves_density(monkeypatch, unp
 
 def test_costlier_candidates_run_while_the_plan_receives_much(monkeypatch):
     """The head-at-back, bisection and nested candidates run while the best plan receives more than
-    KV_BIG (0.05) of an all-gather and KV_BIG_TOKENS in a big batch, even within KV_GOAL of the
-    contiguous split's: pretrain over 4 ranks, 131k tokens, layout 5, receives 0.163 of one when they
-    stop at KV_HEAVY (a quarter) and under 0.1 now, balanced. In a small batch the same share is few
-    tokens, and they stop at KV_BIG_TOKENS: pareto over 8 ranks, 32k tokens, layout 2, keeps 0.071
-    (2043 tokens), where they would find 0.049."""
+    KV_BIG_FEW (0.05) of an all-gather and KV_BIG_FEW_TOKENS over few ranks, even within KV_GOAL of
+    the contiguous split's: pretrain over 4 ranks, 131k tokens, layout 5, receives 0.163 of one when
+    they stop at KV_HEAVY (a quarter) and under 0.1 now, balanced. In a small batch the same share is
+    few tokens, and they stop at KV_BIG_FEW_TOKENS: pareto over 8 ranks, 32k tokens, layout 2, keeps
+    0.071 (2043 tokens), where they would find 0.049."""
     layout = DocLayout.from_lengths(workloads.layout("pretrain", 131072, 5))
     contiguous = plan(layout, 4, Mask.causal(), "contiguous").stats().max_kv_fraction
     s = plan(layout, 4).stats()
@@ -987,13 +987,13 @@ def test_costlier_candidates_run_while_the_plan_receives_much(monkeypatch):
     bisect = balanced._bisection_plans
     monkeypatch.setattr(balanced, "_bisection_plans", lambda *a, **k: bisections.append(1) or bisect(*a, **k))
     kept = plan(small, 8).stats().max_kv_fraction
-    assert kept > balanced.KV_BIG and kept * (small.num_tokens - small.num_tokens // 8) < balanced.KV_BIG_TOKENS
-    assert not bisections
-    monkeypatch.setattr(balanced, "KV_BIG", balanced.KV_HEAVY)
+    allgather = small.num_tokens - small.num_tokens // 8
+    assert kept > balanced.KV_BIG_FEW and kept * allgather < balanced.KV_BIG_FEW_TOKENS and not bisections
+    monkeypatch.setattr(balanced, "KV_BIG_FEW", balanced.KV_HEAVY)
     stopped = plan(layout, 4).stats().max_kv_fraction
     assert 0.15 < stopped < contiguous + balanced.KV_GOAL
-    monkeypatch.setattr(balanced, "KV_BIG", 0.05)
-    monkeypatch.setattr(balanced, "KV_BIG_TOKENS", 0)
+    monkeypatch.setattr(balanced, "KV_BIG_FEW", 0.05)
+    monkeypatch.setattr(balanced, "KV_BIG_FEW_TOKENS", 0)
     bisections.clear()
     assert plan(small, 8).stats().max_kv_fraction < kept - 0.02 and bisections
 
@@ -1464,17 +1464,18 @@ def test_nested_plan_is_skipped_only_where_it_cannot_win(monkeypatch):
     assert skipped and solved  # both ways taken
 
 
-def test_costlier_candidates_run_above_a_twentieth_of_an_all_gather(monkeypatch):
+def test_costlier_candidates_run_above_a_twentieth_of_an_all_gather_over_few_ranks(monkeypatch):
     """Pareto #2 over 6 ranks (131k tokens; documents of 10942 and 9377 tokens too big to stay whole):
-    the search's plan receives 0.075 of an all-gather, where the costlier candidates stopped when
-    KV_BIG was 0.08 (and KV_BIG_TOKENS 8192); above 0.05 they run, and the nested parts give 0.050,
-    still balanced (the lower bound: 0.043; the contiguous split, unbalanced: 0.054)."""
+    the search's plan receives 0.075 of an all-gather, where the costlier candidates stop above 0.08
+    (KV_BIG, KV_BIG_TOKENS: beyond PACK_RANKS ranks); over few ranks they run above 0.05
+    (KV_BIG_FEW), and the nested parts give 0.050, still balanced (the lower bound: 0.043; the
+    contiguous split, unbalanced: 0.054)."""
     layout = DocLayout.from_lengths(workloads.layouts("pareto", 131072, 8)[2])
     s = plan(layout, 6).stats()
     assert s.imbalance <= 1.01 and max(s.tokens) - min(s.tokens) <= 1
     assert s.max_kv_fraction <= 0.051, s.max_kv_fraction
-    monkeypatch.setattr(balanced, "KV_BIG", 0.08)
-    monkeypatch.setattr(balanced, "KV_BIG_TOKENS", 8192)
+    monkeypatch.setattr(balanced, "KV_BIG_FEW", balanced.KV_BIG)
+    monkeypatch.setattr(balanced, "KV_BIG_FEW_TOKENS", balanced.KV_BIG_TOKENS)
     assert plan(layout, 6).stats().max_kv_fraction == pytest.approx(0.0749, abs=0.0005)
 
 

@@ -88,7 +88,8 @@ rank's work, which costs no balance), and the best polished plan wins.
 
 The costlier candidates (head-at-back layouts, bisections) are tried only while the best plan
 receives more than the (unbalanced) contiguous split's max KV plus :data:`KV_GOAL` of an
-all-gather, or more than :data:`KV_HEAVY` of one (:data:`KV_BIG` in a big batch). Every
+all-gather, or more than :data:`KV_HEAVY` of one (:data:`KV_BIG` in a big batch, :data:`KV_BIG_FEW`
+over few ranks). Every
 candidate plan is scored (unbalanced, max KV received, whole-able documents cut, spread) and
 the best one kept (where none balances, the one nearest balance, to the tolerance, then the
 least KV); a handful of candidates, each O(chunks log chunks + N log T) vectorised host
@@ -173,20 +174,24 @@ CHUNKS_PER_RANK = (0, 4, 16, 64, 256, 1024)
 #: much: trying them above 0.08 of an all-gather, not only above 0.25, lowered the KV on 34 of 240
 #: layouts of 131k tokens (5 mixes, N 2-64; pretrain over 4 ranks, layout 5: 0.163 -> 0.092; mean
 #: pretrain N = 8 0.185 -> 0.169, lognormal N = 64 worst 0.122 -> 0.099) and raised it on 2 (by at
-#: most 0.009, for fewer documents cut), for about 12% more planning time there. Above 0.05 and 4096
-#: tokens, not 0.08 and 8192: 9 of 320 layouts of 131k tokens (5 mixes x 8 layouts x N 2-32) receive
-#: less, up to 33% (pareto #2 over 6 ranks 0.075 -> 0.050; pretrain #3 over 8 ranks 0.077 -> 0.061),
-#: 2 more by under 5%, for fewer documents cut (pretrain #2 over 6 ranks 6388 -> 6720 keys, 6 cut
-#: instead of 10); and 7 of 320 layouts of 8k and 32k tokens (N 2-16) less by 5-10%, none more; for
-#: about 5% more planning time in all (up to 18% on the pareto and pretrain mixes at N 4-16; most of
-#: it where they win, 35 ms where they lose: pretrain #2 over 8 ranks 99 -> 133 ms). In a small batch
+#: most 0.009, for fewer documents cut), for about 12% more planning time there. In a small batch
 #: the same KV share is few tokens, and the search took 2-4x as long (32k tokens over 8 ranks: a
-#: median of 38 -> 140 ms with no floor at 0.08), so the lower threshold waits for a few thousand
-#: tokens of KV.
+#: median of 38 -> 140 ms), so the lower threshold waits for a few thousand tokens of KV.
 KV_GOAL = 0.05
 KV_HEAVY = 0.25
-KV_BIG = 0.05
-KV_BIG_TOKENS = 4096
+KV_BIG = 0.08
+KV_BIG_TOKENS = 8192
+#: KV_BIG and KV_BIG_TOKENS over at most PACK_RANKS ranks, where a rank holds many documents and the
+#: candidates find more: above 0.05 and 4096 tokens, not 0.08 and 8192, 7 of 240 layouts of 131k
+#: tokens (5 mixes x 8 layouts x N 2-8) receive less, up to 33% (pareto #2 over 6 ranks 0.075 ->
+#: 0.050; pretrain #3 over 8 ranks 0.077 -> 0.061), 1 more by 5%, for fewer documents cut (pretrain
+#: #2 over 6 ranks 6388 -> 6720 keys, 6 cut instead of 10); of 8k and 32k tokens, 3 of 240 less by
+#: 4-7%, none more. Planning costs up to 18% more on the pareto and pretrain mixes at N 4-8, most of
+#: it where they win (35 ms where they lose: pretrain #2 over 8 ranks 99 -> 133 ms). Beyond 8 ranks
+#: fewer gain (3 of 200 layouts of 131k tokens at N 16-64, 3 more by under 4%) and the cost is high
+#: (lognormal #0 over 64 ranks 14 -> 71 ms).
+KV_BIG_FEW = 0.05
+KV_BIG_FEW_TOKENS = 4096
 #: Where the sequences of the plans solved together hold at most this many chunks (and few ranks),
 #: the search solves ahead: the first probes in one pass, and a pinning pass in lockstep (every
 #: chain's rounds, a round at a time for all chains) where it is likely to run long. Such layouts are
@@ -358,8 +363,8 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     # little, or above KV_HEAVY of an all-gather, or above KV_BIG of one where that is many tokens.
     allgather = layout.num_tokens - layout.num_tokens // n
     contiguous = _score(cut_stream(layout.cu_seqlens, even_sizes(layout.num_tokens, n)), layout, n, mask, whole)
-    kv_goal = min(contiguous[0][1] + KV_GOAL * allgather, KV_HEAVY * allgather,
-                  max(KV_BIG * allgather, KV_BIG_TOKENS))
+    big, big_tokens = (KV_BIG_FEW, KV_BIG_FEW_TOKENS) if n <= PACK_RANKS else (KV_BIG, KV_BIG_TOKENS)
+    kv_goal = min(contiguous[0][1] + KV_GOAL * allgather, KV_HEAVY * allgather, max(big * allgather, big_tokens))
     # Round 0 (no pins) of the probes, then pinning rounds, until _done. Round 0 of a chunking is
     # solved once (``unpinned``); a chunking that cannot balance is not pinned.
     chunkings = _distinct_chunkings(lengths, whole, rank_tokens)
