@@ -126,4 +126,4 @@ def test_finds_scripts_via_bench_dir_or_says_where_they_live(tmp_path, monkeypat
 def test_bad_input(capsys):
     assert main(["bench", "--only", "plan,gpu"]) == 2
     assert capsys.readouterr().err.strip() == ("doccp bench: error: --only must list some of "
-                                               "plan,kernels,cp,inference,hf, got 'plan,gpu'")
+                                               "plan,optimum,kernels,cp,inference,hf, got 'plan,gpu'")

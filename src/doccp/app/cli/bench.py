@@ -1,6 +1,6 @@
 """Run the benchmark scripts and assemble their sections into one markdown page.
 
-Each script in a doccp source checkout's bench/ folder (plan, kernels, cp, inference, hf) has a
+Each script in a doccp source checkout's bench/ folder (plan, optimum, kernels, cp, inference, hf) has a
 ``main(argv)`` that prints one markdown section. This command runs the selected ones, saves
 each section to OUT/results/<name>.md and rebuilds OUT/benchmarks.md from the machine
 description and every saved section, so `--only cp` refreshes one section and keeps the
@@ -37,7 +37,7 @@ import doccp
 from doccp.app.cli.main import UsageError
 from doccp.app.cli.progress import Step
 
-SECTIONS = ("plan", "kernels", "cp", "inference", "hf")
+SECTIONS = ("plan", "optimum", "kernels", "cp", "inference", "hf")
 #: Where --quick runs, failed runs and runs without a source checkout write by default.
 SCRATCH = Path("doccp-bench")
 
