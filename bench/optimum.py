@@ -78,14 +78,9 @@ def least_max_kv(lengths: list[int], n: int, mask: str = "causal", tolerance: fl
     upper = np.ones(z + 1)
     upper[z] = total
     upper[[x(0, r) for r in range(1, n)]] = 0
-    objective = np.zeros(z + 1)
-    objective[z] = 1
     integral = np.zeros(z + 1)
     integral[: total * n] = 1
-    result = milp(objective, integrality=integral, bounds=Bounds(np.zeros(z + 1), upper),
-                  constraints=LinearConstraint(_matrix(rows, z + 1), [lo for _, lo, _ in rows],
-                                               [hi for _, _, hi in rows]),
-                  options={"time_limit": time_limit})
+    result = _minimise_last(rows, upper, integral, time_limit)
     if result.status == 2:  # infeasible
         return None, None
     lower = math.ceil(result.mip_dual_bound - 1e-6)
@@ -165,18 +160,26 @@ def block_lower_bound(lengths: list[int], n: int, block: int, mask: str = "causa
         for r in range(n):
             upper[var(x_, b, r)], upper[[var(z_, b, r), var(y_, b, r)]] = (e - a) / unit, 1
             integral[var(z_, b, r)] = 1
-    objective = np.zeros(most + 1)
-    objective[most] = 1
-    result = milp(objective, integrality=integral, bounds=Bounds(np.zeros(most + 1), upper),
-                  constraints=LinearConstraint(_matrix(rows, most + 1), [lo for _, lo, _ in rows],
-                                               [hi for _, _, hi in rows]),
-                  options={"time_limit": time_limit})
+    result = _minimise_last(rows, upper, integral, time_limit)
     if result.status == 2:  # infeasible
         return None, True
     if result.status not in (0, 1) or result.mip_dual_bound is None:
         raise RuntimeError(f"the solver stopped without a bound: {result.message}")
     dual = float(result.mip_dual_bound) * unit
     return max(math.ceil(dual - 1e-6 * max(1.0, abs(dual))), 0), result.status == 0
+
+
+def _minimise_last(rows: list[tuple[dict[int, float], float, float]], upper: np.ndarray, integral: np.ndarray,
+                   time_limit: float):
+    """HiGHS's least last variable subject to ``rows`` (``(coefficients by variable, low, high)``), the
+    variables in ``[0, upper]``, the ``integral`` ones integers."""
+    columns = upper.size
+    objective = np.zeros(columns)
+    objective[-1] = 1
+    return milp(objective, integrality=integral, bounds=Bounds(np.zeros(columns), upper),
+                constraints=LinearConstraint(_matrix(rows, columns), [lo for _, lo, _ in rows],
+                                             [hi for _, _, hi in rows]),
+                options={"time_limit": time_limit})
 
 
 def _matrix(rows: list[tuple[dict[int, float], float, float]], columns: int) -> csr_matrix:
