@@ -20,6 +20,7 @@ from doccp import comm, kernels
 from doccp.algorithms.registry import Algorithm, Call, Shapes, register
 from doccp.algorithms.schedule import Geometry
 from doccp.algorithms.work import take_rows
+from doccp.device_copies import on_device
 from doccp.kernels.runs import Runs
 from doccp.kernels.slices import Slices
 from doccp.plan import Plan
@@ -82,11 +83,11 @@ class AllGather(Algorithm):
         sched: AllGatherSchedule = call.schedule
         me, hkv = call.rank, k.shape[1]
         kv = torch.cat([k, v], 1)
-        sends = [None if p == me else kv.index_select(0, rows.to(kv.device)) for p, rows in enumerate(sched.send_rows)]
+        sends = [None if p == me else take_rows(kv, rows) for p, rows in enumerate(sched.send_rows)]
         received = [r for r in comm.exchange(sends, _peer_shapes(sched.recv_sizes, me, kv.shape[1:]), kv, call.group)
                     if r is not None]
         gathered = torch.cat([kv, *received]) if received else kv
-        arrange = sched.arrange.to(kv.device)
+        arrange = on_device(sched.arrange, kv.device)
         k_arr, v_arr = take_rows(gathered, sched.arrange).split(hkv, 1)  # a view when nothing moved
         out, lse = kernels.attend(q, k_arr, v_arr, sched.slices, call.mask, call.scale, call.backend)
         return out, lse, (q, k_arr, v_arr, out, lse, arrange)
@@ -109,7 +110,7 @@ class AllGather(Algorithm):
         dkv_local = dkv[:local_rows]
         for rows_sent, grad in zip(sched.send_rows, returned, strict=True):
             if grad is not None:
-                dkv_local.index_add_(0, rows_sent.to(grad.device), grad)
+                dkv_local.index_add_(0, on_device(rows_sent, grad.device), grad)
         dk_local, dv_local = dkv_local.to(k_arr.dtype).split(hkv, 1)
         return dq, dk_local, dv_local
 

@@ -28,6 +28,7 @@ from doccp import comm, kernels
 from doccp.algorithms.registry import Algorithm, Call, Shapes, register
 from doccp.algorithms.schedule import Geometry
 from doccp.algorithms.work import accumulators, attend_into, take_rows
+from doccp.device_copies import on_device
 from doccp.kernels.runs import Runs, Work, clip_to_others, keys_seen, work
 from doccp.kernels.slices import FIELDS, Slices, paired
 from doccp.plan import Plan
@@ -271,7 +272,7 @@ class RingKV(Algorithm):
         def block_shape(owner: int) -> tuple[int, ...]:
             return (sched.block_sizes[owner % n], *kv.shape[1:])
 
-        block = kv.index_select(0, sched.own_block_rows.to(kv.device))
+        block = kv.index_select(0, on_device(sched.own_block_rows, kv.device))
         acc, acc_hop = None, None
         for t in range(n):
             hop = comm.RingStep([block], [block_shape(me - t - 1)], [kv], group) if t < n - 1 else None
@@ -291,7 +292,7 @@ class RingKV(Algorithm):
                 block = hop.wait()[0]
         if acc_hop is not None:
             home = acc_hop.wait()[0]
-            dkv.index_add_(0, sched.own_block_rows.to(dkv.device), home)
+            dkv.index_add_(0, on_device(sched.own_block_rows, dkv.device), home)
         dk, dv = dkv.split(hkv, 1)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

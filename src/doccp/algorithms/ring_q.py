@@ -22,6 +22,7 @@ import torch.distributed as dist
 from doccp import comm, kernels
 from doccp.algorithms.registry import Algorithm, register
 from doccp.algorithms.work import attend_work, take_rows
+from doccp.device_copies import on_device
 from doccp.kernels.runs import Runs, Work, clip_to_others, queries_seeing, work
 
 
@@ -62,7 +63,7 @@ def ring_pass_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own_block_row
             partials[(me - t) % n] = attend_work(block, k, v, steps[t], scale, backend)
         if hop is not None:
             block = hop.wait()[0]
-    rows = own_block_rows.to(q.device)
+    rows = on_device(own_block_rows, q.device)
     for part in exchange_partials(partials, [block_sizes[me]] * n, out, group):
         if part is not None:
             kernels.merge_into(out, lse, *part, rows=rows)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from doccp import kernels
+from doccp.device_copies import on_device
 from doccp.kernels.runs import Work
 
 
@@ -44,4 +45,4 @@ def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     n = rows.numel()
     if n and int(rows[-1]) - int(rows[0]) == n - 1 and (n == 1 or bool((rows[1:] - rows[:-1] == 1).all())):
         return x[int(rows[0]):int(rows[0]) + n]
-    return x.index_select(0, rows.to(x.device))
+    return x.index_select(0, on_device(rows, x.device))

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from doccp import comm
 from doccp.agreement import tensor_hash
+from doccp.device_copies import to_device
 from doccp.kernels.runs import Runs
 from doccp.masks import Mask
 from doccp.plan import Plan
@@ -236,7 +237,7 @@ class ShardedKVCache:
         self.v = k.new_empty(self._capacity, *k.shape[1:])
 
     def _write(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        rows = rows.to(self.k.device)
+        rows = to_device(rows, self.k.device)
         self.k.index_copy_(0, rows, k.detach())
         self.v.index_copy_(0, rows, v.detach())
 
@@ -273,8 +274,8 @@ class ShardedKVCache:
         used = self.counts[self.rank, seqs]
         self.rows_copied += int(used.sum())
         one = torch.ones_like(used)
-        src = expand(self._start[seqs], used, one).to(k.device)
-        dst = expand(start[seqs], used, one).to(k.device)
+        src = to_device(expand(self._start[seqs], used, one), k.device)
+        dst = to_device(expand(start[seqs], used, one), k.device)
         k.index_copy_(0, dst, self.k.index_select(0, src))
         v.index_copy_(0, dst, self.v.index_select(0, src))
 

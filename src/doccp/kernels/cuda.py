@@ -27,6 +27,7 @@ from collections import OrderedDict
 
 import torch
 
+from doccp.device_copies import to_device
 from doccp.kernels.merge import merge_rows
 from doccp.kernels.slices import Slices, trim
 from doccp.masks import BandMask
@@ -149,12 +150,10 @@ def _ranges(start: torch.Tensor, length: torch.Tensor, rows: int) -> torch.Tenso
 
 
 def _to_device(host: list[torch.Tensor | None], device: torch.device) -> list[torch.Tensor | None]:
-    """Host int64 tensors on ``device`` through ONE pinned, non-blocking copy: a pageable copy
-    per tensor would wait for the kernels already queued, idling the GPU while the host works."""
+    """Host int64 tensors on ``device`` through ONE copy that does not stall the host
+    (:func:`~doccp.device_copies.to_device`)."""
     present = [x for x in host if x is not None]
-    flat = torch.cat(present)
-    if torch.device(device).type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
+    flat = to_device(torch.cat(present), device)
     parts = iter(flat.split([x.numel() for x in present]))
     return [None if x is None else next(parts) for x in host]
 
