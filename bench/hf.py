@@ -5,7 +5,9 @@ vocabulary), one forward + backward per step on T tokens packed from the standar
 ``.py`` files (``DataCollatorWithFlattening``):
 
 - one process, transformers' ``sdpa`` with its packed-sequence mask (a dense ``[T, T]`` mask);
-- one process, ``attn_implementation="doccp"`` (documents from ``position_ids``, no mask);
+- one process, ``attn_implementation="doccp"`` on the batch as it is (documents from ``position_ids``,
+  no mask);
+- one process, the same through ``shard_batch`` (a plan of one rank, as a CP job of one runs it);
 - 2 CP ranks, doccp attention on ``shard_batch``'s shards.
 
 Time per step: median over repeats, of the slowest rank. Memory per rank: the peak RSS of the
@@ -39,10 +41,12 @@ import torch.distributed as dist
 
 from doccp.launch import WorkerError, spawn
 
-CONFIGS = [("HF sdpa (packed-sequence mask)", "sdpa", 1), ("doccp attention", "doccp", 1), ("doccp CP", "doccp", 2)]
+#: (row, attn_implementation, ranks, through shard_batch)
+CONFIGS = [("HF sdpa (packed-sequence mask)", "sdpa", 1, False), ("doccp attention", "doccp", 1, False),
+           ("doccp attention via shard_batch", "doccp", 1, True), ("doccp CP", "doccp", 2, True)]
 #: On a GPU: one process each, and transformers' FlexAttention too (a document BlockMask built from
 #: ``position_ids`` every step; compiled in the warm-up steps). CP needs a GPU per rank.
-CUDA_CONFIGS = [CONFIGS[0], ("HF flex_attention (document BlockMask)", "flex_attention", 1), CONFIGS[1]]
+CUDA_CONFIGS = [CONFIGS[0], ("HF flex_attention (document BlockMask)", "flex_attention", 1, False), *CONFIGS[1:3]]
 
 
 def rss_mb() -> float:
@@ -62,7 +66,7 @@ MODELS = {"cpu": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2
                        num_key_value_heads=4)}
 
 
-def run(rank: int, attn: str, tokens: int, max_doc_len: int, repeats: int, device: str = "cpu"
+def run(rank: int, attn: str, shard: bool, tokens: int, max_doc_len: int, repeats: int, device: str = "cpu"
         ) -> tuple[float, float, float, float, int]:
     """Median step time, loss, peak memory (RSS, or the GPU's), its growth over the memory before
     the first step, and the document count."""
@@ -86,7 +90,7 @@ def run(rank: int, attn: str, tokens: int, max_doc_len: int, repeats: int, devic
         batch = {key: value.cuda() for key, value in batch.items()}
 
     def step() -> float:
-        inputs = doccp.hf.shard_batch(batch) if attn == "doccp" else batch
+        inputs = doccp.hf.shard_batch(batch) if shard else batch
         model.zero_grad(set_to_none=True)
         loss = model(**inputs).loss
         loss.backward()
@@ -126,9 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     repeats = args.repeats or (2 if args.quick else 5)
     cores = os.cpu_count() or 1
     rows, failed = [], {}
-    for name, attn, ranks in CUDA_CONFIGS if cuda else CONFIGS:
+    for name, attn, ranks, shard in CUDA_CONFIGS if cuda else CONFIGS:
         try:
-            per_rank = spawn(run, ranks, attn, tokens, args.max_doc_len, repeats, args.device,
+            per_rank = spawn(run, ranks, attn, shard, tokens, args.max_doc_len, repeats, args.device,
                              threads=max(1, cores // ranks), timeout_s=1800)
         except WorkerError as e:
             if name == CONFIGS[0][0]:
