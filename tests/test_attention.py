@@ -441,3 +441,29 @@ def test_chunks_that_do_not_straddle_ranks_move_nothing():
         assert predicted_bytes(aligned, name, Shapes(HQ, HKV, D, 4)) == [0, 0, 0]
     cut = doccp.plan(layout, 2, Mask.chunked(32), "contiguous")  # rank 1 starts at 48: mid-chunk
     assert cut.kv_received == [0, 16]
+
+
+def test_allgather_attends_in_place_where_nothing_arrives():
+    """A rank that receives nothing attends to its k and v as they are (no concatenated copy);
+    whether it sends decides whether its dK/dV take the fp32 round trip for returned gradients.
+    Exactness on such ranks is every contiguous and one-rank case above."""
+    from doccp.algorithms.registry import schedule_of
+
+    layout = DocLayout.from_lengths([40, 7, 30])
+    contiguous = doccp.plan(layout, 3, Mask.causal(), "contiguous")  # rank 0 holds every head it sends
+    flags = [(s.in_place, s.sends) for s in (schedule_of("allgather", contiguous, r) for r in range(3))]
+    assert flags == [(True, True), (False, True), (False, False)]
+    aligned = doccp.plan(DocLayout.from_lengths([64, 32]), 3, Mask.chunked(32), "contiguous")
+    assert [(s.in_place, s.sends) for s in (schedule_of("allgather", aligned, r) for r in range(3))] == [
+        (True, False)] * 3
+    whole = doccp.plan(layout, 1)
+    q, k, v, dout = (x.float().requires_grad_() for x in full_inputs(layout, 5))
+    out = doccp.attention(q, k, v, whole, algorithm="allgather")
+    saved = [t.data_ptr() for t in out.grad_fn.saved_tensors if t is not None]
+    assert k.data_ptr() in saved and v.data_ptr() in saved  # the kernels read k and v themselves
+    out.backward(dout)
+    q2, k2, v2 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref, _ = dense_attention(q2, k2, v2, layout, Mask.causal())
+    ref.backward(dout.detach().double())
+    for got, want in ((out, ref), (q.grad, q2.grad), (k.grad, k2.grad), (v.grad, v2.grad)):
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=0)

@@ -8,6 +8,10 @@ of received rows go back to their owners through the inverse exchange, summed in
     rank 1 holds doc 7 positions [4, 8), causal; rank 0 holds [0, 4)
     forward:   rank 0 --kv[0:4)--> rank 1      arranged kv on rank 1 = doc 7 [0, 8)
     backward:  rank 1 --dkv[0:4)--> rank 0     added into rank 0's dK/dV in fp32
+
+A rank that receives nothing (one rank, or every document it sees held whole: many ``balanced``
+plans) attends to its k and v as they are: no concatenated copy, and in the backward no fp32
+round trip of dK/dV unless its own rows' gradients come back from the ranks it sent them to.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class AllGatherSchedule:
     recv_sizes: list[int]  # rows received from each peer
     arrange: torch.Tensor  # rows of cat(local, received...) forming the arranged buffer
     slices: Slices  # local queries vs arranged buffer: one slice per local piece
+    sends: bool  # whether any rows go to a peer
+    in_place: bool  # nothing arrives and the arranged buffer is the local rows as they are
 
 
 class AllGather(Algorithm):
@@ -73,7 +79,9 @@ class AllGather(Algorithm):
         send_sizes = torch.zeros(n, dtype=torch.int64).index_add_(0, dst, length)
         send_rows = list(torch.split(rows, send_sizes.tolist()))
         arranged = Runs.laid_out(geo.seen.doc, geo.seen.start, geo.seen.length)
-        return AllGatherSchedule(send_rows, recv_sizes.tolist(), arrange, geo.runs.slices_against(arranged, plan.mask))
+        in_place = int(recv_sizes.sum()) == 0 and torch.equal(arrange, torch.arange(plan.local_sizes[me]))
+        return AllGatherSchedule(send_rows, recv_sizes.tolist(), arrange, geo.runs.slices_against(arranged, plan.mask),
+                                 sends=bool(send_sizes.sum()), in_place=in_place)
 
     def received_bytes(self, plan: Plan, shapes: Shapes) -> list[int]:
         row = 2 * shapes.kv_heads * shapes.head_dim * shapes.element_bytes  # K and V
@@ -82,13 +90,17 @@ class AllGather(Algorithm):
     def forward(self, q, k, v, call: Call):
         sched: AllGatherSchedule = call.schedule
         me, hkv = call.rank, k.shape[1]
-        kv = torch.cat([k, v], 1)
-        sends = [None if p == me else take_rows(kv, rows) for p, rows in enumerate(sched.send_rows)]
-        received = [r for r in comm.exchange(sends, _peer_shapes(sched.recv_sizes, me, kv.shape[1:]), kv, call.group)
-                    if r is not None]
-        gathered = torch.cat([kv, *received]) if received else kv
-        arrange = on_device(sched.arrange, kv.device)
-        k_arr, v_arr = take_rows(gathered, sched.arrange).split(hkv, 1)  # a view when nothing moved
+        kv = torch.cat([k, v], 1) if sched.sends or not sched.in_place else None  # K and V travel as one
+        if kv is not None:
+            sends = [None if p == me else take_rows(kv, rows) for p, rows in enumerate(sched.send_rows)]
+            received = [r for r in comm.exchange(sends, _peer_shapes(sched.recv_sizes, me, kv.shape[1:]), kv,
+                                                 call.group) if r is not None]
+        if sched.in_place:
+            k_arr, v_arr, arrange = k, v, None
+        else:
+            gathered = torch.cat([kv, *received]) if received else kv
+            arrange = on_device(sched.arrange, kv.device)
+            k_arr, v_arr = take_rows(gathered, sched.arrange).split(hkv, 1)  # a view when nothing moved
         out, lse = kernels.attend(q, k_arr, v_arr, sched.slices, call.mask, call.scale, call.backend)
         return out, lse, (q, k_arr, v_arr, out, lse, arrange)
 
@@ -99,9 +111,12 @@ class AllGather(Algorithm):
         local_rows = call.plan.local_sizes[me]
         dq, dk, dv = kernels.attend_backward(dout, q, k_arr, v_arr, out, lse, sched.slices, call.mask, call.scale,
                                              call.backend)
+        if sched.in_place and not sched.sends:
+            return dq, dk, dv  # nothing moved either way
         dkv_arr = torch.cat([dk, dv], 1).to(torch.promote_types(dk.dtype, torch.float32))  # fp32 sums
         rows = local_rows + sum(sched.recv_sizes)
-        dkv = dkv_arr.new_zeros((rows, *dkv_arr.shape[1:])).index_add_(0, arrange, dkv_arr)
+        dkv = dkv_arr if arrange is None else dkv_arr.new_zeros((rows, *dkv_arr.shape[1:])).index_add_(0, arrange,
+                                                                                                        dkv_arr)
         # Received rows' gradients go back to their owners; ours come back from them.
         bounds = torch.tensor([local_rows, *sched.recv_sizes]).cumsum(0).tolist()
         sends = [None if p == me else dkv[bounds[p]:bounds[p + 1]] for p in range(len(sched.recv_sizes))]
