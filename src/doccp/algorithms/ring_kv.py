@@ -27,7 +27,7 @@ import torch
 from doccp import comm, kernels
 from doccp.algorithms.registry import Algorithm, Call, Shapes, register
 from doccp.algorithms.schedule import Geometry
-from doccp.algorithms.work import accumulators, attend_into, take_rows
+from doccp.algorithms.work import accumulators_dtype, attend_into, attend_work, take_rows
 from doccp.device_copies import on_device
 from doccp.kernels.runs import Runs, Work, clip_to_others, keys_seen, work
 from doccp.kernels.slices import FIELDS, Slices, paired
@@ -219,13 +219,14 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_rows: 
     queries against it. Returns fp32 (fp64 for fp64) out and lse.
     """
     me, n = comm.rank(group), comm.size(group)
-    out, lse = accumulators(q, dim=v.shape[2])
     block = [take_rows(k, block_rows), take_rows(v, block_rows)]
     for t in range(n):
         shapes = [(block_sizes[(me - t - 1) % n], *x.shape[1:]) for x in (k, v)]
         hop = comm.RingStep(block, shapes, [k, v], group) if t < n - 1 else None
-        k_t, v_t = (k, v) if t == 0 else block
-        attend_into(out, lse, q, k_t, v_t, steps[t], scale, backend)
+        if t == 0:
+            out, lse = attend_work(q, k, v, steps[0], scale, backend)
+        else:
+            attend_into(out, lse, q, *block, steps[t], scale, backend)
         if hop is not None:
             block = hop.wait()
     return out, lse
@@ -264,18 +265,17 @@ class RingKV(Algorithm):
         q, k, v, out, lse = saved
         sched: RingSchedule = call.schedule
         me, n, hkv, group = call.rank, call.plan.world_size, k.shape[1], call.group
-        kv = torch.cat([k, v], 1)
-        grad_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        dq = torch.zeros_like(q, dtype=grad_dtype)
-        dkv = torch.zeros_like(kv, dtype=grad_dtype)
+        grad_dtype = accumulators_dtype(q)
+        block = torch.cat([take_rows(k, sched.own_block_rows), take_rows(v, sched.own_block_rows)], 1)
+        row_shape = block.shape[1:]
 
         def block_shape(owner: int) -> tuple[int, ...]:
-            return (sched.block_sizes[owner % n], *kv.shape[1:])
+            return (sched.block_sizes[owner % n], *row_shape)
 
-        block = kv.index_select(0, on_device(sched.own_block_rows, kv.device))
-        acc, acc_hop = None, None
+        # dq and my rows' dK/dV start as step 0's gradients (upcast), not as zeros they are added to
+        dq = dkv = acc = acc_hop = None
         for t in range(n):
-            hop = comm.RingStep([block], [block_shape(me - t - 1)], [kv], group) if t < n - 1 else None
+            hop = comm.RingStep([block], [block_shape(me - t - 1)], [block], group) if t < n - 1 else None
             if acc_hop is not None:  # the accumulator of the block we hold, from the previous rank
                 acc = acc_hop.wait()[0]
             k_t, v_t = (k, v) if t == 0 else block.split(hkv, 1)
@@ -284,12 +284,20 @@ class RingKV(Algorithm):
             if len(sched.step_slices[t]):
                 g_q, g_k, g_v = kernels.attend_backward(dout, q, k_t, v_t, out, lse, sched.step_slices[t],
                                                         call.mask, call.scale, call.backend)
-                dq += g_q
-                (dkv if t == 0 else acc).add_(torch.cat([g_k, g_v], 1))
+                dq = g_q.to(grad_dtype) if dq is None else dq.add_(g_q)
+                g_kv = torch.cat([g_k, g_v], 1)
+                if t == 0:
+                    dkv = g_kv.to(grad_dtype)
+                else:
+                    acc.add_(g_kv)
             if t > 0:  # pass the accumulator on; after the last step it reaches the block's owner
                 acc_hop = comm.RingStep([acc], [block_shape(me - t - 1 if t < n - 1 else me)], [acc], group)
             if hop is not None:
                 block = hop.wait()[0]
+        if dq is None:
+            dq = torch.zeros_like(q, dtype=grad_dtype)
+        if dkv is None:
+            dkv = torch.zeros((k.shape[0], *row_shape), dtype=grad_dtype, device=k.device)
         if acc_hop is not None:
             home = acc_hop.wait()[0]
             dkv.index_add_(0, on_device(sched.own_block_rows, dkv.device), home)

@@ -18,7 +18,7 @@ from doccp.kernels.runs import Work
 def accumulators(q: torch.Tensor, rows: int | None = None, dim: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty fp32 (fp64 for fp64 q) ``out [rows, Hq, dim]`` and ``lse [Hq, rows]`` (0 and -inf)."""
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = accumulators_dtype(q)
     rows = q.shape[0] if rows is None else rows
     out = torch.zeros(rows, q.shape[1], q.shape[2] if dim is None else dim, dtype=dtype, device=q.device)
     return out, torch.full((q.shape[1], rows), float("-inf"), dtype=dtype, device=q.device)
@@ -34,10 +34,22 @@ def attend_into(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.
 
 def attend_work(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, work: Work, scale: float, backend: str
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial out/lse of all q rows over ``work`` (rows in no slice: 0 / -inf), in fp32."""
+    """Partial out/lse of all q rows over ``work`` (rows in no slice: 0 / -inf), in fp32. Work of
+    one part is the kernel's own result, upcast: merging it into empty accumulators would give
+    the same values (weight exp(0) = 1 on its side, 0 on theirs) for a zero fill and a merge pass."""
+    parts = [(slices, mask) for slices, mask in work if len(slices)]
+    if len(parts) == 1:
+        out, lse = kernels.attend(q, k, v, *parts[0], scale, backend)
+        dtype = accumulators_dtype(q)
+        return out.to(dtype), lse.to(dtype)
     out, lse = accumulators(q, dim=v.shape[2])
-    attend_into(out, lse, q, k, v, work, scale, backend)
+    attend_into(out, lse, q, k, v, parts, scale, backend)
     return out, lse
+
+
+def accumulators_dtype(q: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 for fp64 ``q``: what partial results sum and merge in."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
