@@ -285,6 +285,25 @@ def test_cli_rejects_huge_numbers_with_one_line(args):
 
 
 # -- 10. one rule for every entry point --------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_the_finite_check_finds_every_nan_and_infinity(dtype):
+    """kernels.nonfinite.all_finite (one min/max reduction) agrees with isfinite().all() wherever the
+    bad value sits, in contiguous tensors and strided views, and empty tensors are finite."""
+    from doccp.kernels.nonfinite import all_finite
+
+    g = torch.Generator().manual_seed(0)
+    assert all_finite(torch.empty(0, 2, 4, dtype=dtype), torch.randn(5, 2, 4, generator=g).to(dtype))
+    for rows in (1, 33, 70001):
+        base = torch.randn(rows, 3, 8, generator=g).to(dtype)
+        assert all_finite(base, base[:, 1], base.transpose(0, 1))
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            for row in {0, rows // 2, rows - 1}:
+                x = base.clone()
+                x[row, 1, 5] = bad
+                assert not all_finite(x) and not all_finite(x[:, 1]) and not all_finite(base, x.transpose(0, 1))
+                assert all_finite(x[:, 0])  # the bad value lies outside this view
+
+
 def test_nonfinite_inputs_poison_exactly_the_rows_that_see_them():
     layout = DocLayout.from_lengths([6, 5, 7])
     q, k, v, _ = stream(layout, dtype=torch.float64)

@@ -233,8 +233,10 @@ class ShardedKVCache:
         self._last = torch.full((self.world_size, self.num_seqs), -1, dtype=torch.int64)
         self._start = torch.zeros(self.num_seqs, dtype=torch.int64)
         self._cap = torch.zeros(self.num_seqs, dtype=torch.int64)
-        self.k = k.new_empty(self._capacity, *k.shape[1:])
-        self.v = k.new_empty(self._capacity, *k.shape[1:])
+        # zeros, not uninitialised memory: rows not yet written are never attended to, but a NaN
+        # pattern there would send every CPU attention over the cache through the slow non-finite path
+        self.k = k.new_zeros(self._capacity, *k.shape[1:])
+        self.v = k.new_zeros(self._capacity, *k.shape[1:])
 
     def _write(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         rows = to_device(rows, self.k.device)
@@ -263,7 +265,7 @@ class ShardedKVCache:
             total = int(cap.sum())
             size = self.capacity if total <= self.capacity * 3 // 4 else total + total // 4
             start = starts(cap)
-            k, v = (x.new_empty(size, *x.shape[1:]) for x in (self.k, self.v))
+            k, v = (x.new_zeros(size, *x.shape[1:]) for x in (self.k, self.v))
             self._move(torch.arange(self.num_seqs), start, k, v)
             self.k, self.v, self._top = k, v, total
             self.reallocations += 1

@@ -9,7 +9,7 @@ multiplies masked-out ``inf`` values by 0 into NaN for rows that never see them)
 tensors :func:`doccp.kernels.attend` runs the backend on zeroed copies and then poisons the rows
 that see a non-finite input; the backward runs on the same zeroed copies, so its NaN spreads from
 the poisoned rows (through their out and lse) to what they touched, and nowhere else. The cost,
-when every input is finite, is one ``isfinite`` pass over q, k and v.
+when every input is finite, is one min/max pass over q, k and v (:func:`all_finite`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,15 @@ from doccp.ranges import repeat, starts
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    """Whether every element is finite, by one min/max reduction per tensor: ``aminmax`` propagates
+    NaN, and an infinity is its own tensor's min or max. On CPU ``isfinite(t).all()`` first writes a
+    bool tensor as large as ``t``: 15x slower (50 ms against 3 ms for 8M floats, one thread)."""
+    for t in tensors:
+        if t.numel():
+            lo, hi = torch.aminmax(t)
+            if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
+                return False
+    return True
 
 
 def zeroed(*tensors: torch.Tensor) -> list[torch.Tensor]:
