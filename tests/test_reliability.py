@@ -22,6 +22,7 @@ from oracle import dense_attention
 import doccp
 from doccp import DocLayout, Mask
 from doccp.inference import ShardedKVCache, decode, prefill
+from doccp.kernels import nonfinite
 from doccp.launch import WorkerError, spawn
 
 QUICK = {"timeout_s": 60, "deadline_s": 300}  # a group's collectives give up after 60 s; a run after 300 s
@@ -322,6 +323,75 @@ def test_nonfinite_inputs_poison_exactly_the_rows_that_see_them():
         ref, ref_lse = dense_attention(*(torch.nan_to_num(x, 0.0, 0.0, 0.0) for x in (q, k, v)), layout, Mask.causal())
         torch.testing.assert_close(out.double()[clean], ref[clean], atol=1e-6, rtol=0)
         torch.testing.assert_close(lse.double().T[clean], ref_lse.T[clean], atol=1e-6, rtol=0)
+
+
+def decode_nonfinite(rank: int, world_size: int) -> dict:
+    """Prefill 3 prompts and decode 3 steps, clean and poisoned: in the poisoned run sequence 2's
+    prompt has a NaN key (position 4, KV head 1) and sequence 1's token of step 1 an inf value (KV
+    head 0). Per run: every step's gathered (out, lse) and every step's ``cache.finite``."""
+    layout = DocLayout.from_lengths([9, 6, 11])
+    plan = doccp.plan(layout, world_size)
+    runs = {}
+    for poisoned in (False, True):
+        q, k, v, _ = stream(layout)
+        g = torch.Generator().manual_seed(5)
+        steps = [[torch.randn(3, h, D, generator=g) for h in (HQ, HKV, HKV)] for _ in range(3)]
+        if poisoned:
+            k[15 + 4, 1, 0] = float("nan")
+            steps[1][2][1, 0, 2] = float("inf")
+        cache = ShardedKVCache.for_group()
+        prefill(*(doccp.shard(x, plan, rank) for x in (q, k, v)), plan, cache)
+        runs[poisoned] = [(*decode(*step, cache, gather=True, return_lse=True), cache.finite) for step in steps]
+    runs["holds the NaN"] = bool((plan.indices(rank) == 15 + 4).any())
+    return runs
+
+
+def test_decode_poisons_exactly_the_sequences_whose_cache_holds_a_nonfinite_value():
+    """The cache checks rows as they arrive, so decode checks no cached row, and a NaN/inf in
+    the cache still poisons exactly the (sequence, query head) rows that see it."""
+    for rank, runs in enumerate(spawn(decode_nonfinite, 2, 2, **QUICK)):
+        assert [finite for *_, finite in runs[False]] == [True] * 3
+        # the inf of step 1 is cached on rank (sequence 1 + step 1) % 2 = 0
+        expected_flags = [False] * 3 if runs["holds the NaN"] else [True, False, False] if rank == 0 else [True] * 3
+        assert [finite for *_, finite in runs[True]] == expected_flags, rank
+        for step, ((out, lse, _), (clean_out, clean_lse, _)) in enumerate(zip(runs[True], runs[False], strict=True)):
+            expected = torch.zeros(3, HQ, dtype=torch.bool)
+            expected[2, 2:] = True  # sequence 2's query heads over KV head 1, every step
+            if step >= 1:
+                expected[1, :2] = True  # sequence 1's over KV head 0, from the step of the inf
+            assert torch.equal(torch.isnan(out).any(-1), expected), (rank, step)
+            assert torch.equal(torch.isnan(lse).T, expected), (rank, step)
+            torch.testing.assert_close(out[~expected], clean_out[~expected], atol=1e-6, rtol=0)
+            torch.testing.assert_close(lse.T[~expected], clean_lse.T[~expected], atol=1e-6, rtol=0)
+
+
+def test_a_decode_step_checks_its_queries_not_the_cache(monkeypatch):
+    """Decode attends to the whole cache buffer every step; while the cache knows its rows are
+    finite, the kernels' NaN/inf check reads only the step's queries."""
+    checked = []
+    check = nonfinite.all_finite
+
+    def recording(*tensors):
+        checked.extend(t.numel() for t in tensors)
+        return check(*tensors)
+
+    monkeypatch.setattr(nonfinite, "all_finite", recording)
+    layout = DocLayout.from_lengths([300, 200])
+    q, k, v, _ = stream(layout)
+    cache = ShardedKVCache(1, 0)
+    prefill(q, k, v, doccp.plan(layout, 1), cache)
+    step = [torch.randn(2, h, D) for h in (HQ, HKV, HKV)]
+    checked.clear()
+    decode(*step, cache)
+    assert cache.finite and checked == [2 * HQ * D]
+    step[1][0, 0, 0] = float("inf")
+    decode(*step, cache)
+    assert not cache.finite
+    checked.clear()
+    out = decode(*step, cache)
+    assert checked[:3] == [2 * HQ * D, cache.k.numel(), cache.v.numel()]  # a cache that saw an inf: every row
+    assert torch.isnan(out[0, :HQ // HKV]).all() and not torch.isnan(out[0, HQ // HKV:]).any()
+    assert not torch.isnan(out[1]).any()
 
 
 def one_rule(rank: int, world_size: int) -> dict[str, dict[str, str]]:

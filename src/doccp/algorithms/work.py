@@ -25,25 +25,26 @@ def accumulators(q: torch.Tensor, rows: int | None = None, dim: int | None = Non
 
 
 def attend_into(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                work: Work, scale: float, backend: str) -> None:
+                work: Work, scale: float, backend: str, finite_kv: bool = False) -> None:
     """Merge every part of ``work`` (q rows vs k/v rows) into the accumulators in place."""
     for slices, mask in work:
         if len(slices):
-            kernels.merge_into(out, lse, *kernels.attend(q, k, v, slices, mask, scale, backend))
+            kernels.merge_into(out, lse, *kernels.attend(q, k, v, slices, mask, scale, backend, finite_kv))
 
 
-def attend_work(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, work: Work, scale: float, backend: str
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_work(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, work: Work, scale: float, backend: str,
+                finite_kv: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial out/lse of all q rows over ``work`` (rows in no slice: 0 / -inf), in fp32. Work of
     one part is the kernel's own result, upcast: merging it into empty accumulators would give
-    the same values (weight exp(0) = 1 on its side, 0 on theirs) for a zero fill and a merge pass."""
+    the same values (weight exp(0) = 1 on its side, 0 on theirs) for a zero fill and a merge pass.
+    ``finite_kv``: k and v are known finite (see :func:`doccp.kernels.attend`)."""
     parts = [(slices, mask) for slices, mask in work if len(slices)]
     if len(parts) == 1:
-        out, lse = kernels.attend(q, k, v, *parts[0], scale, backend)
+        out, lse = kernels.attend(q, k, v, *parts[0], scale, backend, finite_kv)
         dtype = accumulators_dtype(q)
         return out.to(dtype), lse.to(dtype)
     out, lse = accumulators(q, dim=v.shape[2])
-    attend_into(out, lse, q, k, v, parts, scale, backend)
+    attend_into(out, lse, q, k, v, parts, scale, backend, finite_kv)
     return out, lse
 
 

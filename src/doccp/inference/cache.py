@@ -30,6 +30,7 @@ import torch.distributed as dist
 from doccp import comm
 from doccp.agreement import tensor_hash
 from doccp.device_copies import to_device
+from doccp.kernels.nonfinite import all_finite
 from doccp.kernels.runs import Runs
 from doccp.masks import Mask
 from doccp.plan import Plan
@@ -51,6 +52,9 @@ class ShardedKVCache:
     ``ShardedKVCache(world_size, rank)`` (or :meth:`for_group`) is empty; the first
     :func:`doccp.prefill` (or :meth:`append`) fixes the number of sequences (the plan's
     documents), the KV shape, dtype, device and the mask. ``capacity`` preallocates rows.
+    :attr:`finite` says whether every row cached so far (through :meth:`append` and decode) is
+    finite: on CPU each row is checked once, as it arrives, and a decode step over a finite cache
+    then checks only its queries for NaN/inf (:mod:`doccp.kernels.nonfinite`), not every cached row.
     """
 
     def __init__(self, world_size: int, rank: int, capacity: int = 0):
@@ -71,6 +75,7 @@ class ShardedKVCache:
         self._capacity = capacity
         self.k: torch.Tensor | None = None  # [capacity, Hkv, D]
         self.v: torch.Tensor | None = None
+        self.finite = True  # every row written so far is finite (checked as it arrives, on CPU only)
         self._start = self._cap = torch.zeros(0, dtype=torch.int64)  # region of each sequence
         self._top = 0  # end of the allocated part of the buffer
         self.reallocations = 0  # times the buffer was replaced (a whole-cache copy)
@@ -239,6 +244,11 @@ class ShardedKVCache:
         self.v = k.new_zeros(self._capacity, *k.shape[1:])
 
     def _write(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # What a CPU attention over the cache would otherwise check on every call: its whole buffer,
+        # now only the new rows (O(new tokens) a step). Unwritten rows are zeros and moves copy
+        # written rows, so the flag covers the buffer. (On a GPU no kernel checks: a check would sync.)
+        if self.finite and self.k.device.type == "cpu":
+            self.finite = all_finite(k, v)
         rows = to_device(rows, self.k.device)
         self.k.index_copy_(0, rows, k.detach())
         self.v.index_copy_(0, rows, v.detach())

@@ -86,7 +86,7 @@ def _attend_grouped(q: torch.Tensor, cache: ShardedKVCache, parts: Work, scale: 
     slices = Slices.cat([s for s, _ in parts])
     grouped = Slices(slices.q_start * g, slices.q_end * g, slices.k_start, slices.k_end, slices.q_pos0,
                      slices.k_pos0)
-    out, lse = attend_work(rows, cache.k, cache.v, [(grouped, Mask.full())], scale, backend)
+    out, lse = attend_work(rows, cache.k, cache.v, [(grouped, Mask.full())], scale, backend, finite_kv=cache.finite)
     out = out.view(b, g, hkv, d).transpose(1, 2).reshape(b, hq, d)
     return out, lse.view(hkv, b, g).transpose(1, 2).reshape(hq, b)
 

@@ -58,17 +58,21 @@ def default_scale(q: torch.Tensor, scale: float | None) -> float:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slices: Slices, mask: Mask,
-           scale: float | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+           scale: float | None = None, backend: str = "auto", finite_kv: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention of the query rows over the slices; rows in no slice get 0 / -inf.
 
     The backends know band masks only: any other mask first rewrites the slices as band-masked
     parts (:meth:`Mask.bands`), whose partial results merge by log-sum-exp. Any strides are
     fine (a tensor whose last dimension is not dense is copied once). On CPU tensors, NaN/inf
-    inputs poison exactly the rows that see them (:mod:`.nonfinite`)."""
+    inputs poison exactly the rows that see them (:mod:`.nonfinite`); ``finite_kv`` says the caller
+    knows every element of k and v is finite (a KV cache that checked its rows as they were written),
+    so only q is checked: a decode step's keys are the whole cache, its queries one row per sequence."""
     q, k, v = dense_last(q), dense_last(k), dense_last(v)
     forward, scale = BACKENDS[resolve_backend(backend, q)][0], default_scale(q, scale)
     parts = mask.bands(slices)
-    poisoned = q.device.type == "cpu" and not nonfinite.all_finite(q, k, v)  # (on a GPU the check would sync)
+    # (on a GPU the check would sync)
+    poisoned = q.device.type == "cpu" and not nonfinite.all_finite(*((q,) if finite_kv else (q, k, v)))
     inputs = nonfinite.zeroed(q, k, v) if poisoned else (q, k, v)
     out, lse = forward(*inputs, *parts[0], scale)
     for part_slices, band in parts[1:]:
