@@ -69,8 +69,11 @@ at least ``n_d = keys(L_d - 1) - K`` of its rows: its last ``s`` rows and ``n_d 
 documents cannot share a rank (their ``own`` and the cheapest fill exceed one cap, or their rows one
 rank's tokens), their holders are distinct ranks: ``h`` of them hold at least ``hF - sum(n_d)`` more
 rows, all different rows, within ``h`` caps. At most ``NK`` of those are *single* rows (each is
-received by another rank, at most ``K`` per rank); the rest are the heavy documents' own rows, at
-their cost, or rows of other documents at no less than their mean (third figure)::
+received by another rank, at most ``K`` per rank); the rest are rows of other documents at no less
+than their mean (third figure), or the ``L_d - n_d`` rows of a heavy document that its own holder
+lacks, at no less than the document's cheapest ``L_d - n_d`` rows (counting all ``L_d`` would count its
+first rows twice: in ``own_d`` and as fill; lognormal layout #5 of the plan benchmark over 8 ranks:
+32 keys counting them twice, 62 not)::
 
     causal, 3 ranks, 22, 22 and five 3-token documents (F = 19, cap 1.01 * 536 / 3 = 180.45):
     could no rank receive more than K = 7? Each long document's holder holds its last 8 rows and
@@ -353,13 +356,17 @@ class _Figures:
         return kept
 
     def _rest_of(self, heavy: list[tuple[float, int, int]]) -> _Pool:
-        """Rows the holders of ``heavy`` fill up with besides single rows: those documents' rows at
-        their cost, every other document's at its mean (fifth figure)."""
+        """Rows the holders of ``heavy`` fill up with besides single rows: every other document's
+        at its mean, and of each heavy document only the rows its own holder lacks (fifth figure).
+        Its holder holds at least ``n`` of its rows, at least ``own`` of work, whichever they are;
+        the other ``L - n`` may fill another holder, at no less than the document's cheapest
+        ``L - n`` rows (costs never fall along it). Its other rows are its holder's already."""
         copies = torch.bincount(torch.tensor([index for _, _, index in heavy]),
                                 minlength=self.distinct.numel()).double()
         own = torch.zeros(self.width, dtype=torch.float64)
-        for index in torch.nonzero(copies).flatten().tolist():
-            own += copies[index] * torch.bincount(self.costs[int(self.distinct[index])], minlength=self.width)
+        for _, rows, index in heavy:
+            length = int(self.distinct[index])
+            own += torch.bincount(self.costs[length][:length - rows], minlength=self.width)
         cost = torch.cat([self.mean, torch.arange(self.width, dtype=torch.float64)])
         counts = torch.cat([((self.copies - copies) * self.distinct)[self.by_mean], own])
         order = torch.argsort(cost, stable=True)
