@@ -67,6 +67,7 @@ def cases(draw):
 
 balanced = importlib.import_module("doccp.plan.balanced")
 trims = importlib.import_module("doccp.plan.trims")
+hosts = importlib.import_module("doccp.plan.hosts")
 #: Every variant of the bisection planner (head shares x windows, late heads).
 BISECTIONS = [balanced.Chunking(0, head_back, True, window, late)
               for head_back, late in balanced.BISECT_HEAD_BACK for window in balanced.BISECT_WINDOW]
@@ -1080,6 +1081,7 @@ def test_two_ranks_cut_one_document_next_to_chosen_whole_ones(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(balanced, "TWO_RANKS_KV", float("inf"))
             m.setattr(trims, "TRIM_RANKS", 0)  # (pretrain #1: its runs find 0.041 too)
+            m.setattr(hosts, "HOST_SHARES", ())  # (and hosting 0.070)
             assert plan(layout, 2).stats().max_kv_fraction > before, mix
     layout = DocLayout.from_lengths(workloads.layout("long", 131072, 3))
     p = plan(layout, 2).stream_pieces
@@ -1122,6 +1124,24 @@ def test_two_rank_plans_tile_and_balance(seed):
         assert len(plans) == 1  # one document alone over two ranks: its head and tail and middle
 
 
+def _assert_tiles_and_balances(p: Pieces, layout: DocLayout, n: int, mask: Mask) -> None:
+    """The pieces tile every document once, every rank holds its even share of the tokens and at most
+    1.01 of the mean work."""
+    from doccp.plan.pieces import even_sizes
+    lengths = layout.lengths.tolist()
+    held = torch.zeros(layout.num_tokens, dtype=torch.int64)
+    for d, a, b in zip(p.doc.tolist(), p.start.tolist(), p.end.tolist(), strict=True):
+        assert 0 <= a < b <= lengths[d]
+        held[int(layout.cu_seqlens[d]) + a:int(layout.cu_seqlens[d]) + b] += 1
+    assert bool((held == 1).all()), (lengths, n)
+    tokens = torch.zeros(n, dtype=torch.int64).index_add_(0, p.rank, p.length)
+    assert torch.equal(tokens, even_sizes(layout.num_tokens, n)), (lengths, n)
+    work = mask.row_work(0, layout.lengths, layout.lengths)
+    per_rank = torch.zeros(n, dtype=torch.float64).index_add_(
+        0, p.rank, mask.row_work(p.start, p.end, layout.lengths[p.doc]).double())
+    assert float(per_rank.max()) <= 1.01 * float(work.sum()) / n + 1e-6, (lengths, n, str(mask))
+
+
 def test_trimmed_packings_tile_and_balance():
     """Every plan of doccp.plan.trims is exact for any layout it takes (zero-length and 1-token
     documents, N 2-16, causal, sliding-window and chunked masks): the pieces tile every document once,
@@ -1129,7 +1149,6 @@ def test_trimmed_packings_tile_and_balance():
     documents cut are the runs' (at most one per over-worked rank a round) and those cut into the
     rooms left (at most N - 1 cuts), besides the heads cut off beforehand (at most
     the most per rank of HEADS, times N - 1)."""
-    from doccp.plan.pieces import even_sizes
     rng, planned, cut_plans, middles, headed = random.Random(0), 0, 0, 0, 0
     for _ in range(120):
         n = rng.randint(2, 16)
@@ -1141,16 +1160,7 @@ def test_trimmed_packings_tile_and_balance():
                  for p in trims.trimmed_packings(layout.lengths, work, n, mask, 1.01, heads=heads)]
         planned += bool(plans)
         for p in plans:
-            held = torch.zeros(layout.num_tokens, dtype=torch.int64)
-            for d, a, b in zip(p.doc.tolist(), p.start.tolist(), p.end.tolist(), strict=True):
-                assert 0 <= a < b <= lengths[d]
-                held[int(layout.cu_seqlens[d]) + a:int(layout.cu_seqlens[d]) + b] += 1
-            assert bool((held == 1).all()), (lengths, n)
-            tokens = torch.zeros(n, dtype=torch.int64).index_add_(0, p.rank, p.length)
-            assert torch.equal(tokens, even_sizes(layout.num_tokens, n)), (lengths, n)
-            per_rank = torch.zeros(n, dtype=torch.float64).index_add_(
-                0, p.rank, mask.row_work(p.start, p.end, layout.lengths[p.doc]).double())
-            assert float(per_rank.max()) <= 1.01 * float(work.sum()) / n + 1e-6, (lengths, n, str(mask))
+            _assert_tiles_and_balances(p, layout, n, mask)
             cut = torch.unique(p.doc[p.length < layout.lengths[p.doc]]).numel()
             assert cut <= trims.ROUNDS * n + n - 1 + max(k for _, k in trims.HEADS) * (n - 1)
             cut_plans += cut > 0
@@ -1165,11 +1175,16 @@ def test_balanced_trims_the_heaviest_documents_where_ranks_share_many(monkeypatc
     plans cut a dense document at every rank boundary of their front run, and the rank holding its
     last rows receives the rest (0.025 of an all-gather); packed by density with a run cut off the
     heaviest document after a head about as long (head and tail on one rank, the run on another),
-    every rank receives under 0.0045."""
+    every rank receives under 0.0045; hosted whole (doccp.plan.hosts), under 0.0015."""
     layout = DocLayout.from_lengths(workloads.layout("sft", 131072, 7))
+    heaviest = int(torch.argmax(layout.lengths))
+    s = plan(layout, 8).stats()
+    assert s.imbalance <= 1.01 and max(s.tokens) - min(s.tokens) <= 1 and s.max_kv_fraction <= 0.0015
+    p = plan(layout, 8).stream_pieces
+    assert len(p.select(p.doc == heaviest)) == 1
+    monkeypatch.setattr(hosts, "HOST_SHARES", ())
     s = plan(layout, 8).stats()
     assert s.imbalance <= 1.01 and max(s.tokens) - min(s.tokens) <= 1 and s.max_kv_fraction <= 0.0045
-    heaviest = int(torch.argmax(layout.lengths))
     p = plan(layout, 8).stream_pieces
     mine = p.select(p.doc == heaviest)
     assert len(mine) == 3 and int(mine.rank[0]) == int(mine.rank[2]) != int(mine.rank[1])  # head + tail, run
@@ -1201,7 +1216,7 @@ def test_heads_come_off_the_longest_documents_the_runs_leave():
     work and longer than 4 heads, and stay cut off while a run grows on the heaviest."""
     lengths = torch.tensor([250, 40, 90, 33, 150, 80, 60, 2, 0, 35] + [20] * 12)
     work = Mask.causal().row_work(0, lengths, lengths)
-    packing = trims._Packing(lengths, work, 3, Mask.causal(), 1.01)
+    packing = trims.Packing(lengths, work, 3, Mask.causal(), 1.01)
     assert float(work[4]) > trims.HEAD_WORK * packing.mean > float(work[2])  # 150 and 250 are too heavy
     assert packing.heads(8, 1) == {2: (0, 8), 5: (0, 8)}  # 2 ranks but one: 90, 80
     assert packing.heads(8, 4) == {d: (0, 8) for d in (2, 5, 6, 1, 9, 3)}  # every light one longer than 32
@@ -1219,7 +1234,7 @@ def test_trimmed_packing_grows_the_shortest_run_that_sheds_the_excess():
     ``start`` run lengths into the document (causal, 100 tokens: rows cost 1..100)."""
     lengths = torch.tensor([100, 7])
     work = Mask.causal().row_work(0, lengths, lengths)
-    packing = trims._Packing(lengths, work, 2, Mask.causal(), 1.01)
+    packing = trims.Packing(lengths, work, 2, Mask.causal(), 1.01)
     assert packing.grown(0, None, 1000, 0) == (0, 45)  # 45 * 46 / 2 = 1035 >= 1000 > 990
     assert packing.grown(0, None, 1000, 1) == (26, 52)  # rows 26..51 cost 27..52: 1027
     assert packing.grown(0, None, 1000, 2) == (40, 60)  # rows 40..59 cost 41..60: 1010 (19 rows: 912)
@@ -1242,6 +1257,92 @@ def test_trimmed_packings_only_where_a_run_per_document_fits():
     assert plans([500, *many], 8) == [] and plans([], 4) == []  # (8 ranks of 457 tokens)
     (whole,) = plans(many, 4)
     assert bool((whole.length == torch.tensor(many)[whole.doc]).all())
+
+
+def test_hosted_packings_tile_and_balance():
+    """Every plan of doccp.plan.hosts is exact for any layout it takes (zero-length and 1-token
+    documents, N 2-8, causal, sliding-window and chunked masks, one or two documents of 80-95% of a
+    rank's work): the pieces tile every document once, every rank holds its even share of the tokens
+    and at most the tolerance's work; the first ranks each hold one heavy document whole, and hold
+    besides only whole documents and heads (first rows); every other rank holds whole documents and
+    rests (a document's rows after its head), and under a causal mask receives exactly its rests'
+    heads."""
+    rng, planned = random.Random(1), 0
+    for _ in range(60):
+        n = rng.randint(2, 8)
+        small = [rng.choice([0, 1, 2, 5, 13, 40, 100, 200]) for _ in range(rng.randint(40, 80) * n)]
+        mask = rng.choice([Mask.causal(), Mask.causal(), Mask.sliding_window(300), Mask.chunked(512)])
+        k, share = rng.randint(1, min(2, n - 1)), rng.uniform(0.8, 0.95)
+        cost = lambda length, mask=mask: float(mask.row_work(0, torch.tensor([length]), torch.tensor([length]))[0])  # noqa: E731
+        rest, lo, hi = sum(cost(length) for length in small if length), 1, sum(small) // n
+        while lo < hi:  # the length whose work is ``share`` of a rank's
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if cost(mid) <= share * (rest + k * cost(mid)) / n else (lo, mid - 1)
+        lengths = small + [lo] * k
+        rng.shuffle(lengths)
+        layout = DocLayout.from_lengths(lengths)
+        work = mask.row_work(0, layout.lengths, layout.lengths)
+        plans = hosts.hosted_packings(layout.lengths, work, n, mask, 1.01)
+        planned += bool(plans)
+        for p in plans:
+            _assert_tiles_and_balances(p, layout, n, mask)
+            whole = p.length == layout.lengths[p.doc]
+            heavy = whole & (layout.lengths[p.doc] == lo)
+            h = int(heavy.sum())
+            assert 1 <= h <= k and torch.equal(torch.sort(p.rank[heavy]).values, torch.arange(h))  # the first ranks
+            on_hosts, others = p.rank < h, p.rank >= h
+            assert bool((whole | (p.start == 0) | (p.end < layout.lengths[p.doc]))[on_hosts].all())  # heads
+            assert bool((whole | (p.end == layout.lengths[p.doc]))[others].all())  # rests
+            assert bool((~whole & others).any())  # the others give heads
+            if mask == Mask.causal():
+                kv = Plan(layout, n, mask, "balanced", p.stream_normalized()).stats().kv_recv
+                rests = torch.zeros(n, dtype=torch.int64).index_add_(0, p.rank[others], p.start[others])
+                assert kv[h:] == rests[h:].tolist(), (lengths, n)
+    # (what the layouts exercise: 20)
+    assert planned >= 15, planned
+
+
+def test_even_heads_share_the_rows_out_evenly():
+    """A rank's excess comes off its documents as even heads, each keeping a row at least; too few
+    rows to give fails the attempt."""
+    assert hosts._even_heads(10, [5, 5, 5]) == [4, 3, 3]
+    assert hosts._even_heads(10, [2, 30, 30]) == [1, 5, 4]  # the 2-token one gives its one row, the rest share
+    assert hosts._even_heads(0, [7, 1]) == [0, 0]
+    assert hosts._even_heads(3, [1, 4]) == [0, 3]
+    with pytest.raises(hosts._Failed):
+        hosts._even_heads(5, [1, 1, 3])
+
+
+def test_balanced_hosts_heavy_documents_that_compete_for_cheap_fill(monkeypatch):
+    """lognormal mix, layout 5, 8 ranks: documents of 4280 and 4212 tokens do 87% and 84% of a rank's
+    work, and the short documents cannot fill both ranks around them. Runs cut off them, the ranks
+    holding their documents' other rows receive 450 keys; hosted whole, with every other rank giving an
+    even share of short heads to fill their ranks, no rank receives more than 160."""
+    layout = DocLayout.from_lengths(workloads.layout("lognormal", 131072, 5))
+    p = plan(layout, 8)
+    s = p.stats()
+    assert s.imbalance <= 1.01 and max(s.tokens) - min(s.tokens) <= 1 and max(s.kv_recv) <= 160
+    pieces = p.stream_pieces
+    for d in torch.argsort(layout.lengths, descending=True)[:2].tolist():
+        assert len(pieces.select(pieces.doc == d)) == 1  # whole
+    assert sorted(s.kv_recv)[2] >= 100  # six ranks share the heads out
+    monkeypatch.setattr(hosts, "HOST_SHARES", ())
+    assert max(plan(layout, 8).stats().kv_recv) >= 400
+
+
+def test_hosted_packings_only_where_heavy_documents_fit_a_rank():
+    """No plans for a mask that looks ahead, for more than TRIM_RANKS ranks or TRIM_DOCS documents,
+    where a document is longer than a rank's share, or where no document is heavy."""
+    def plans(lengths, n, mask=Mask.causal()):
+        lengths = torch.tensor(lengths)
+        return hosts.hosted_packings(lengths, mask.row_work(0, lengths, lengths), n, mask, 1.01)
+
+    many = workloads.layout("lognormal", 131072, 5)  # two documents of 85% of a rank's work over 8 ranks
+    assert len(plans(many, 8)) == 1
+    assert plans(many, 8, Mask.full()) == [] and plans(many, trims.TRIM_RANKS + 1) == []
+    assert plans([*many, 20000], 8) == []  # (8 ranks of 18884 tokens)
+    assert plans([5, 13, 40, 100] * 20, 4) == []  # none heavy
+    assert plans([1] * trims.TRIM_DOCS + many, 8) == []
 
 
 def test_packing_pins_at_most_pack_docs(monkeypatch):

@@ -84,7 +84,10 @@ document at every rank boundary (sft mix #7, 8 ranks: 0.025 of an all-gather -> 
 causal mask the best plans (:data:`POLISHED` of them) are then *polished* (:mod:`doccp.plan.polish`):
 rows of their cut documents traded between pairs of ranks, where that lowers the max KV within the
 work tolerance (kept where it saves :data:`POLISH_GAIN` of it at least; else within the busiest
-rank's work, which costs no balance), and the best polished plan wins.
+rank's work, which costs no balance), and the best polished plan wins. After them, for up to 16
+ranks, :mod:`doccp.plan.hosts` hosts the heaviest documents whole on ranks of their own, filled with
+the cheapest whole documents and an equal share of short heads from every other rank (lognormal #5
+over 8 ranks, two documents of 85% of a rank's work: 450 keys -> 154).
 
 The costlier candidates (head-at-back layouts, bisections) are tried only while the best plan
 receives more than the (unbalanced) contiguous split's max KV plus :data:`KV_GOAL` of an
@@ -116,6 +119,7 @@ from doccp.layout import DocLayout
 from doccp.masks import BandMask, Mask
 from doccp.plan.exchange import visible_intervals
 from doccp.plan.head_tail import head_tail
+from doccp.plan.hosts import hosted_packings
 from doccp.plan.nested import nested_parts, opposed_parts
 from doccp.plan.pieces import Pieces, cut_stream, even_sizes
 from doccp.plan.polish import polish
@@ -545,6 +549,14 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
                     break
             if _better(score, best_score):
                 best, best_score = plan, score
+    # Heavy documents hosted whole, the other ranks shedding an even share of short heads to fill
+    # their ranks (doccp.plan.hosts), where the best plan still receives anything; after the polish,
+    # which lowered none of them where they win (the seeded layouts of 131k tokens over 2-16 ranks),
+    # so that the plans polished before stay the ones they were.
+    if best_score is None or best_score[0] or best_score[1] > 0:
+        for result in scored(hosted_packings(lengths, doc_work, n, mask, TOLERANCE)):
+            if best_score is None or _better(result[1], best_score):
+                best, best_score = result[0], result[1]
     # No balanced plan: tiny layouts (a few documents of a few tokens per rank) can defeat the
     # search's cuts, while head_tail balances every document on its own under a causal mask.
     if best_score is None or best_score[0]:

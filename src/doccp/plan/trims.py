@@ -87,7 +87,7 @@ def trimmed_packings(lengths: torch.Tensor, doc_work: torch.Tensor, world_size: 
         return []
     if int(lengths.max()) > total // n:
         return []  # a document longer than a rank spans ranks: not this shape
-    packing = _Packing(lengths, doc_work, n, mask, tolerance)
+    packing = Packing(lengths, doc_work, n, mask, tolerance)
     if heads:
         cuts = {tuple(packing.heads(rows, per_rank).items()) for rows, per_rank in HEADS}
         plans = [packing.solve(1.0, dict(cut)) for cut in sorted(cuts) if cut]
@@ -99,7 +99,7 @@ def trimmed_packings(lengths: torch.Tensor, doc_work: torch.Tensor, world_size: 
     return [p for p in plans if p is not None]
 
 
-class _Packing:
+class Packing:
     """The greedy packing of the module docstring for one layout."""
 
     def __init__(self, lengths: torch.Tensor, doc_work: torch.Tensor, n: int, mask: Mask, tolerance: float):
