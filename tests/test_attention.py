@@ -444,6 +444,32 @@ def test_attention_hosted_plans(monkeypatch, world_size, lengths, mask):
     check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
 
 
+NESTED_PACKED = [
+    (3, [13, 1, 8, 13, 27, 0, 21, 3, 1, 3, 5]),
+    (3, [1, 13, 13, 13, 8, 2, 1, 13, 0, 8, 8, 34, 0, 13, 3, 2, 34, 1, 5, 0, 0, 161, 0, 21, 0]),
+    (5, [21, 13, 21, 2, 21, 99, 3, 21, 2, 13, 1, 8, 1, 8, 13, 5, 1, 2, 8, 1, 2, 79, 3, 1, 1, 5, 1, 3, 1, 13, 2, 1, 8,
+         13, 1, 2, 1, 8, 21, 8, 5, 8]),
+    (5, [0, 1, 8, 1, 3, 47, 0, 1, 3, 1, 34, 2, 1, 3, 1, 13, 0, 5, 21, 8, 3, 34, 1, 0, 21, 2]),
+]
+
+
+@pytest.mark.parametrize("world_size, lengths", NESTED_PACKED, ids=["3-small", "3", "5-two-big", "5"])
+def test_attention_packed_around_nested_plans(monkeypatch, world_size, lengths):
+    """Plans that nest the documents longer than a rank on ranks of their own and pack the others whole
+    around them (doccp.plan.trims.packings_around), causal (the nesting's mask), at odd N, with
+    zero-length and 1-token documents."""
+    import importlib
+    balanced = importlib.import_module("doccp.plan.balanced")
+    layout = DocLayout.from_lengths(lengths)
+    s = doccp.plan(layout, world_size).stats()
+    assert s.imbalance <= 1.01
+    with monkeypatch.context() as m:
+        m.setattr(balanced, "_packed_around_nested", lambda *args: [])
+        assert max(s.kv_recv) < max(doccp.plan(layout, world_size).stats().kv_recv)  # the plans under test
+    cases = [(lengths, "balanced", Mask.causal(), algorithm, i) for i, algorithm in enumerate(ALGORITHMS)]
+    check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
+
+
 @pytest.mark.parametrize("world_size, lengths", [
     (3, [1, 1, 89, 0, 8, 144, 13]),
     (3, [21, 0, 0, 144, 1, 3, 1, 144]),

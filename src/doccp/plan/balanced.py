@@ -84,7 +84,13 @@ document at every rank boundary (sft mix #7, 8 ranks: 0.025 of an all-gather -> 
 causal mask the best plans (:data:`POLISHED` of them) are then *polished* (:mod:`doccp.plan.polish`):
 rows of their cut documents traded between pairs of ranks, where that lowers the max KV within the
 work tolerance (kept where it saves :data:`POLISH_GAIN` of it at least; else within the busiest
-rank's work, which costs no balance), and the best polished plan wins. After them, for up to 16
+rank's work, which costs no balance), and the best polished plan wins. Then, for up to 16 ranks,
+every document too big to stay whole is nested on ranks of its own (sized for each of
+:data:`NESTED_FILLS`) and the other documents are packed whole around the parts, the heaviest
+trimmed (:func:`doccp.plan.trims.packings_around`): where the parts leave many uneven rooms, whole
+documents fill them closer than the sequence's cuts (lognormal #5 over 16 ranks, three documents of
+1.0-1.7 ranks' work among short ones: 4217 keys -> 2295); the best such plan is polished on its own
+(among the leaders it would push out one that polishes lower). After them, for up to 16
 ranks, :mod:`doccp.plan.hosts` hosts the heaviest documents whole on ranks of their own, filled with
 the cheapest whole documents and an equal share of short heads from every other rank (lognormal #5
 over 8 ranks, two documents of 85% of a rank's work: 450 keys -> 154).
@@ -123,7 +129,7 @@ from doccp.plan.hosts import hosted_packings
 from doccp.plan.nested import nested_parts, opposed_parts
 from doccp.plan.pieces import Pieces, cut_stream, even_sizes
 from doccp.plan.polish import polish
-from doccp.plan.trims import trimmed_packings
+from doccp.plan.trims import packings_around, trimmed_packings
 from doccp.plan.two_ranks import two_rank_plans
 from doccp.ranges import expand, repeat
 
@@ -504,9 +510,9 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     # than the nesting leaves them: long #1 over 4 ranks, two of 2.4 and 1.7 ranks' work each,
     # 0.663 -> 0.611 of an all-gather).
     big = torch.nonzero(~whole & (lengths > 0)).flatten()
+    heaviest = big[torch.argsort(doc_work[big], descending=True, stable=True)].tolist()
     if 0 < big.numel() <= NESTED_DOCS and n <= PACK_RANKS and (
             best_score is None or best_score[0] or best_score[1] > kv_goal):
-        heaviest = big[torch.argsort(doc_work[big], descending=True, stable=True)].tolist()
         configs = len(NESTED_FILLS) * len(NESTED_MIRRORED) * (1 + len(PACK_HOSTED_RESERVE))
         result = _nested_plan(layout, n, mask, whole, doc_work, heaviest, at_once=ahead(configs, 1), best=best_score)
         if result is None and len(heaviest) > 1:
@@ -540,14 +546,30 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     # it at least, else within the plan's own busiest rank's work (free: the balance stays). The
     # next leaders are polished too: one may polish lower than the best (long #6 over 7 ranks: the
     # opposed nesting's 54041 keys polish to 51084, the sequence plan's 57946 to 48744).
+    def polished(plan: Pieces, score: Score) -> tuple[Pieces, Score]:
+        for cap, gain in ((POLISH_CAP * float(doc_work.sum()) / n, POLISH_GAIN), (0.0, 0.0)):
+            result = scored([polish(plan.stream_normalized(), n, cap)])[0]
+            if result[1][1] <= (1 - gain) * score[1] and _better(result[1], score):
+                return result[0], result[1]
+        return plan, score
+
     if causal and best_score is not None and not best_score[0] and best_score[1] > 0:
         for plan, score in [(p, s) for p, s in leaders if not s[0] and s[1] * (1 - POLISH_REACH) < best_score[1]]:
-            for cap, gain in ((POLISH_CAP * float(doc_work.sum()) / n, POLISH_GAIN), (0.0, 0.0)):
-                result = scored([polish(plan.stream_normalized(), n, cap)])[0]
-                if result[1][1] <= (1 - gain) * score[1] and _better(result[1], score):
-                    plan, score = result[0], result[1]
-                    break
+            plan, score = polished(plan, score)
             if _better(score, best_score):
+                best, best_score = plan, score
+    # Every document too big to stay whole nested on ranks of its own, the others packed whole around
+    # the parts, the heaviest trimmed (doccp.plan.trims; a few big documents among many short ones),
+    # the best of them polished on its own: after the leaders' polish, which they would otherwise join
+    # (and push out a leader that polishes lower), where the best plan still receives anything.
+    if heaviest and (best_score is None or best_score[0] or best_score[1] > 0):
+        top = None
+        for plan, score, _ in scored(_packed_around_nested(layout, n, mask, doc_work, heaviest, best_score)):
+            if top is None or _better(score, top[1]):
+                top = plan, score
+        if top is not None:
+            plan, score = polished(*top) if causal and not top[1][0] and top[1][1] > 0 else top
+            if best_score is None or _better(score, best_score):
                 best, best_score = plan, score
     # Heavy documents hosted whole, the other ranks shedding an even share of short heads to fill
     # their ranks (doccp.plan.hosts), where the best plan still receives anything; after the polish,
@@ -675,15 +697,10 @@ def _nested_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, doc
     skipped); ``opposed``: the first two of ``docs`` nested from opposite ends instead, sharing a
     rank (:func:`~doccp.plan.nested.opposed_parts`)."""
     lengths, total = layout.lengths, float(doc_work.sum())
-    index = torch.tensor(docs, dtype=torch.int64)
-    fill = (total - float(doc_work[index].sum())) / max(layout.num_tokens - int(lengths[index].sum()), 1)
-    cap = (1 + (TOLERANCE - 1) * NESTED_CAP) * total / n
-    # Parts whose own KV (a holder's keys of its document it lacks: KV every plan pinning them has)
-    # is above this cannot win (_better).
-    limit = None if best is None or best[0] else best[1] * (1 + KV_SLACK) if best[2] else best[1]
+    fill, cap, limit = _nesting(layout, n, doc_work, docs, best)
     configs, parts_of, sized = [], [], set()
     if opposed:  # every rank but the shared one holds parts only: its work is known, not estimated
-        rest = total - float(doc_work[index[:2]].sum())
+        rest = total - float(doc_work[docs[0]] + doc_work[docs[1]])
         layouts = [p for p in opposed_parts((docs[0], docs[1]), (int(lengths[docs[0]]), int(lengths[docs[1]])),
                                             even_sizes(layout.num_tokens, n), POLISH_CAP * total / n, rest, mask)
                    if limit is None or _least_kv(p) <= limit]
@@ -714,30 +731,69 @@ def _nested_plan(layout: DocLayout, n: int, mask: Mask, whole: torch.Tensor, doc
     return best
 
 
+def _nesting(layout: DocLayout, n: int, doc_work: torch.Tensor, docs: list[int], best: tuple | None
+             ) -> tuple[float, float, float | None]:
+    """What the nested parts of ``docs`` are sized for: the other documents' mean work per token,
+    the work cap of a rank holding parts, and the most KV their own holders may lack (parts above it
+    cannot win against ``best``, the score to beat, :func:`_better`; None: no limit)."""
+    lengths, total = layout.lengths, float(doc_work.sum())
+    index = torch.tensor(docs, dtype=torch.int64)
+    fill = (total - float(doc_work[index].sum())) / max(layout.num_tokens - int(lengths[index].sum()), 1)
+    cap = (1 + (TOLERANCE - 1) * NESTED_CAP) * total / n
+    limit = None if best is None or best[0] else best[1] * (1 + KV_SLACK) if best[2] else best[1]
+    return fill, cap, limit
+
+
+def _packed_around_nested(layout: DocLayout, n: int, mask: Mask, doc_work: torch.Tensor, docs: list[int],
+                          best: tuple | None) -> list[Pieces]:
+    """Plans that pin the nested parts of ``docs`` (each on ranks of its own, per fill density of
+    :data:`NESTED_FILLS`, :func:`_nested_layouts`) and pack every other document around them whole,
+    the heaviest trimmed (:func:`~doccp.plan.trims.packings_around`): where the rooms beside the
+    parts are many and uneven, whole documents fill them closer than the sequence's cuts. Lighter
+    fills size bigger parts, which leave less room: after the first that no packing balances, none
+    is tried."""
+    def placements():  # (sized once the packing is known to run: lazily)
+        fill, cap, limit = _nesting(layout, n, doc_work, docs, best)
+        sized = set()  # (a lighter fill may size the same parts)
+        for parts in _nested_layouts(docs, layout.lengths, even_sizes(layout.num_tokens, n), cap,
+                                     [fill * f for f in NESTED_FILLS], mask, limit):
+            key = None if parts is None else parts.start.numpy().tobytes() + parts.rank.numpy().tobytes()
+            if key is not None and key not in sized:
+                sized.add(key)
+                yield parts
+
+    plans = []
+    for packed in packings_around(layout.lengths, doc_work, n, mask, TOLERANCE, placements()):
+        if not packed:
+            break
+        plans += packed
+    return plans
+
+
 def _nested_layouts(docs: list[int], lengths: torch.Tensor, rank_tokens: torch.Tensor, cap: float,
                     fills: list[float], mask: Mask, limit: float | None = None) -> list[Pieces | None]:
     """Per fill density, the nested parts of every document of ``docs`` on ranks of its own: the
     first from rank 0, each next one from the rank after the last one the one before it uses; None
     where a document does not fit the ranks left, or where a holder of its parts would receive
-    more than ``limit`` of it (then no plan pinning them can win). The densities whose next
-    document starts on the same rank are sized in one pass (all of them for the first document)."""
+    more than ``limit`` of it (then no plan pinning them can win). Each document is sized for every
+    density in one pass, each density on the ranks its previous document leaves."""
+    n = rank_tokens.numel()
     pieces: list[list[Pieces]] = [[] for _ in fills]
     first: list[int | None] = [0] * len(fills)  # per density, the rank the next document starts on
     for doc in docs:
-        starts: dict[int, list[int]] = {}
-        for i, r in enumerate(first):
-            if r is not None and r < rank_tokens.numel():
-                starts.setdefault(r, []).append(i)
-            else:
+        live = [i for i, r in enumerate(first) if r is not None and r < n]
+        if not live:
+            return [None] * len(fills)
+        # Each density's ranks from its first on, padded with ranks of no tokens (none of it goes there).
+        rows = torch.stack([torch.cat([rank_tokens[first[i]:], rank_tokens.new_zeros(first[i])]) for i in live])
+        sized = nested_parts(doc, int(lengths[doc]), rows, cap, [fills[i] for i in live], mask)
+        first = [None if i not in live else first[i] for i in range(len(fills))]
+        for i, parts in zip(live, sized, strict=True):
+            if parts is None or (limit is not None and _least_kv(parts) > limit):
                 first[i] = None
-        for r, densities in starts.items():
-            sized = nested_parts(doc, int(lengths[doc]), rank_tokens[r:], cap, [fills[i] for i in densities], mask)
-            for i, parts in zip(densities, sized, strict=True):
-                if parts is None or (limit is not None and _least_kv(parts) > limit):
-                    first[i] = None
-                else:
-                    pieces[i].append(Pieces(parts.rank + r, parts.doc, parts.start, parts.end))
-                    first[i] = r + int(parts.rank.max()) + 1
+            else:
+                pieces[i].append(Pieces(parts.rank + first[i], parts.doc, parts.start, parts.end))
+                first[i] += int(parts.rank.max()) + 1
     return [None if r is None else Pieces.cat(p) for p, r in zip(pieces, first, strict=True)]
 
 

@@ -73,16 +73,18 @@ def nested_parts(doc: int, length: int, rank_tokens: torch.Tensor, cap: float, f
     (see the module docstring), for the least bound the greedy fits (None where none does), one
     entry per fill density: ``fill_densities`` are the work per token assumed of the other
     documents that fill the ranks up, all searched in the same vectorised passes.
-    ``rank_tokens``: every rank's tokens; ``cap``: the most work a rank may do."""
+    ``rank_tokens``: every rank's tokens, or per density a row of them (ranks of no tokens pad a
+    row: none of the document goes there); ``cap``: the most work a rank may do."""
     found: list[Pieces | None] = [None] * len(fill_densities)
     if length <= 0 or not _prefix_mask(mask, length):
         return found
+    tokens = rank_tokens.expand(len(fill_densities), -1) if rank_tokens.dim() == 1 else rank_tokens
     search = dict.fromkeys(range(len(fill_densities)), (0, length))  # the bounds still open, per density
     for _ in range(2):  # the grid, then the interval where it turns feasible
         grids = {i: torch.linspace(lo, hi, NESTED_GRID).round().long().unique() for i, (lo, hi) in search.items()}
-        fills = torch.cat([torch.full((g.numel(),), float(fill_densities[i]), dtype=torch.float64)
-                           for i, g in grids.items()])
-        greedy = _Greedy(length, rank_tokens, cap, fills, mask, torch.cat(list(grids.values())))
+        rows = torch.cat([torch.full((g.numel(),), i) for i, g in grids.items()])  # each bound's density
+        fills = torch.tensor([float(f) for f in fill_densities], dtype=torch.float64)[rows]
+        greedy = _Greedy(length, tokens[rows], cap, fills, mask, torch.cat(list(grids.values())))
         search, at = {}, 0
         for i, bounds in grids.items():
             fits = greedy.fits[at:at + bounds.numel()]
@@ -190,8 +192,9 @@ def _prefix_mask(mask: Mask, length: int) -> bool:
 
 class _Greedy:
     """The outside-in pass of the module docstring for every bound in ``bounds`` at once (each with
-    its fill density, ``fills``): ``fits`` per bound, and each rank's parts under each bound
-    (:meth:`parts`). Every bound's pass is its own: the same alone or next to others."""
+    its fill density, ``fills``, and its ranks' tokens, a row of ``rank_tokens``): ``fits`` per
+    bound, and each rank's parts under each bound (:meth:`parts`). Every bound's pass is its own:
+    the same alone or next to others."""
 
     def __init__(self, length: int, rank_tokens: torch.Tensor, cap: float, fills: torch.Tensor, mask: Mask,
                  bounds: torch.Tensor):
@@ -200,7 +203,7 @@ class _Greedy:
         done, stuck = (torch.zeros(bounds.numel(), dtype=torch.bool) for _ in range(2))
         columns = []  # per rank: head [start, end) and tail [start, end) under every bound
         innermost = torch.zeros_like(bounds)  # per bound, the rank that takes the middle
-        for r, tokens in enumerate(rank_tokens.tolist()):
+        for r, tokens in enumerate(rank_tokens.t()):
             live = ~done & ~stuck
             if not bool(live.any()):
                 break
@@ -215,8 +218,9 @@ class _Greedy:
             innermost = torch.where(last, r, innermost)
             lo, hi = head_end, tail_start
         # The ranks inside the innermost one hold none of the document: filled up, each within the cap.
-        inside = torch.cat([torch.cummax(rank_tokens.flip(0), 0).values.flip(0)[1:], rank_tokens.new_zeros(1)])
-        self.fits = done & (fills * inside[innermost].double() <= cap)
+        inside = torch.cat([torch.cummax(rank_tokens.flip(1), 1).values.flip(1)[:, 1:],
+                            rank_tokens.new_zeros(len(bounds), 1)], 1)
+        self.fits = done & (fills * inside.gather(1, innermost[:, None])[:, 0].double() <= cap)
         self.columns = torch.stack(columns)  # [ranks, 4, bounds]
 
     def parts(self, i: int, doc: int) -> Pieces:
@@ -229,18 +233,19 @@ class _Greedy:
     def _work(self, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
         return self.mask.row_work(start, end, self.length).double()
 
-    def _cost(self, lo, head_end, tail_start, hi, tokens: int) -> torch.Tensor:
+    def _cost(self, lo, head_end, tail_start, hi, tokens: torch.Tensor) -> torch.Tensor:
         """Work of a rank holding rows ``[lo, head_end)`` and ``[tail_start, hi)``, filled up to
-        ``tokens`` by other documents at the fill density."""
+        ``tokens`` (per bound) by other documents at the fill density."""
         held = (head_end - lo) + (hi - tail_start)
         fill = self.fill if held.dim() == 1 else self.fill[:, None]  # per bound (rows of a grid of tails)
+        tokens = tokens if held.dim() == 1 else tokens[:, None]
         return self._work(lo, head_end) + self._work(tail_start, hi) + fill * (tokens - held).double()
 
-    def _longest_tail(self, lo, hi, bounds, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _longest_tail(self, lo, hi, bounds, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per bound, the most last rows ``t`` a rank can hold with the head ``max(hi - K - t, 0)``
         the bound asks for, within its tokens and the work cap (the work grows with ``t``), and
         whether any ``t >= 1`` fits."""
-        room = torch.minimum(hi - lo, torch.full_like(hi, tokens))
+        room = torch.minimum(hi - lo, tokens)
         lo, hi, bounds = lo[:, None], hi[:, None], bounds[:, None]
 
         def fits(t: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,12 @@ a whole document; one plan per head length and number of heads (:data:`HEADS`), 
 grown as above (pretrain layout #3 over 4 ranks: 2256 keys with runs alone, 414 with 18 heads of
 64 rows).
 
+The same packing runs around *placed* pieces (:func:`packings_around`): the nested parts of the
+documents too big for a rank (:mod:`doccp.plan.nested`), fixed to their ranks beforehand, whose rows
+and work each rank's room starts from. Where those parts leave many rooms of uneven tokens and work,
+whole documents packed by density fill them closer than the sequence's cuts (lognormal layout #5
+over 16 ranks: 2295 keys, where the sequence's plans receive 4217).
+
 The sequence plans of :mod:`doccp.plan.balanced` cut a dense document at every rank boundary of
 their front run, and the rank holding its last rows receives the rest (sft layout #7 over 8
 ranks: 2846 keys, where this packing receives 447). Host work: O(items x N) per round, a few
@@ -31,8 +37,10 @@ rounds, only for at most :data:`TRIM_RANKS` ranks (and the heads' plans for at m
 
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -82,25 +90,47 @@ def trimmed_packings(lengths: torch.Tensor, doc_work: torch.Tensor, world_size: 
     (:data:`RUN_STARTS`) whose runs bring every rank within ``tolerance`` (max/mean work);
     ``doc_work``: every document's work under ``mask``. ``heads``: instead, one plan per way to cut
     heads off beforehand (:data:`HEADS`), for at most :data:`HEAD_DOCS` documents."""
-    n, total, most_docs = world_size, int(lengths.sum()), HEAD_DOCS if heads else TRIM_DOCS
-    if n < 2 or n > TRIM_RANKS or total == 0 or mask.looks_ahead or lengths.numel() > most_docs:
-        return []
-    if int(lengths.max()) > total // n:
-        return []  # a document longer than a rank spans ranks: not this shape
+    n, total = world_size, int(lengths.sum())
+    if not _applies(lengths, n, mask, HEAD_DOCS if heads else TRIM_DOCS) or int(lengths.max()) > total // n:
+        return []  # (a document longer than a rank spans ranks: not this shape)
     packing = Packing(lengths, doc_work, n, mask, tolerance)
-    if heads:
-        cuts = {tuple(packing.heads(rows, per_rank).items()) for rows, per_rank in HEADS}
-        plans = [packing.solve(1.0, dict(cut)) for cut in sorted(cuts) if cut]
-    else:
-        pieces, over = packing.balanced({})
-        if pieces is not None:
-            return [pieces]
-        plans = [packing.solve(start, {}, over) for start in RUN_STARTS]
-    return [p for p in plans if p is not None]
+    if not heads:
+        return _grown(packing)
+    cuts = {tuple(packing.heads(rows, per_rank).items()) for rows, per_rank in HEADS}
+    return [p for p in (packing.solve(1.0, dict(cut)) for cut in sorted(cuts) if cut) if p is not None]
+
+
+def packings_around(lengths: torch.Tensor, doc_work: torch.Tensor, world_size: int, mask: Mask, tolerance: float,
+                    placements: Iterable[Pieces]) -> Iterator[list[Pieces]]:
+    """Per placement (pieces fixed to their ranks beforehand: the nested parts of documents too big
+    for a rank), the plans of :func:`trimmed_packings` packed around it, whose documents they leave
+    alone; lazily, so that a caller may stop at the first placement that none balances (and the
+    placements are not drawn at all where the packing is not tried, see :data:`TRIM_RANKS`). They
+    share one packing's per-document tables."""
+    n, total = world_size, int(lengths.sum())
+    if not _applies(lengths, n, mask, TRIM_DOCS):
+        return
+    packing = Packing(lengths, doc_work, n, mask, tolerance)
+    for placed in placements:
+        loose = lengths.index_fill(0, placed.doc, 0)  # (the documents the packing places)
+        yield _grown(packing.around(placed)) if int(loose.max()) <= total // n else []
+
+
+def _applies(lengths: torch.Tensor, n: int, mask: Mask, most_docs: int) -> bool:
+    """Whether the packing is tried at all (see :data:`TRIM_RANKS`, :data:`TRIM_DOCS`)."""
+    return 2 <= n <= TRIM_RANKS and int(lengths.sum()) > 0 and not mask.looks_ahead and lengths.numel() <= most_docs
+
+
+def _grown(packing: Packing) -> list[Pieces]:
+    """The packing's plan if it balances as it is, else one per run start that its runs balance."""
+    pieces, over = packing.balanced({})
+    if pieces is not None:
+        return [pieces]
+    return [p for p in (packing.solve(start, {}, over) for start in RUN_STARTS) if p is not None]
 
 
 class Packing:
-    """The greedy packing of the module docstring for one layout."""
+    """The greedy packing of the module docstring for one layout (around placed pieces: :meth:`around`)."""
 
     def __init__(self, lengths: torch.Tensor, doc_work: torch.Tensor, n: int, mask: Mask, tolerance: float):
         self.lengths, self.n, self.mask = lengths, n, mask
@@ -113,8 +143,23 @@ class Packing:
         self._runs: dict[tuple[int, float], tuple[list[int], torch.Tensor]] = {}
         self._items: dict[tuple[int, tuple[int, int]], tuple[tuple, tuple]] = {}
         # whole documents, densest first (each packing merges the trimmed ones' items in)
-        self.whole = sorted((-w / size, d, ((0, size),), w, size)
-                            for d, (w, size) in enumerate(zip(self.work, self.length, strict=True)) if size)
+        self._whole = sorted((-w / size, d, ((0, size),), w, size)
+                             for d, (w, size) in enumerate(zip(self.work, self.length, strict=True)) if size)
+        self._place(None)
+
+    def around(self, placed: Pieces) -> Packing:
+        """This packing with ``placed`` pieces fixed to their ranks beforehand (their documents left
+        alone, their rows and work packed around), sharing the per-document tables."""
+        packing = copy.copy(self)
+        packing._place(placed)
+        return packing
+
+    def _place(self, placed: Pieces | None) -> None:
+        columns = () if placed is None else (placed.rank, placed.doc, placed.start, placed.end)
+        self.placed = list(zip(*(c.tolist() for c in columns), strict=True))
+        self.fixed = {d for _, d, _, _ in self.placed}  # (documents the packing leaves alone)
+        self.whole = [item for item in self._whole if item[1] not in self.fixed]
+        self._rooms: tuple[list[int], list[float]] | None = None
 
     def prefix_work(self, doc: int) -> torch.Tensor:
         """Work of the document's first ``k`` rows, for every ``k`` (cached: only cut documents)."""
@@ -145,7 +190,7 @@ class Packing:
         """``doc -> (0, rows)``: heads to cut off the ``per_rank * (N - 1)`` longest documents lighter
         than :data:`HEAD_WORK` of a rank's work and longer than ``4 * rows`` (as runs at row 0)."""
         light = (d for _, d in sorted((-size, d) for d, size in enumerate(self.length))
-                 if self.work[d] < HEAD_WORK * self.mean and self.length[d] > 4 * rows)
+                 if self.work[d] < HEAD_WORK * self.mean and self.length[d] > 4 * rows and d not in self.fixed)
         return {d: (0, rows) for d in itertools.islice(light, per_rank * (self.n - 1))}
 
     def solve(self, start: float, heads: dict[int, tuple[int, int]], packed: tuple = ()) -> Pieces | None:
@@ -164,15 +209,15 @@ class Packing:
             excess = sum(x for x in over if x > 0)
             if excess >= before:
                 return None
-            held: dict[tuple[int, int], int] = {}
-            for r, d, x, y in pieces:
-                if self.length[d] > 1 and d not in heads:  # (a document of one row has no run to cut off)
-                    held[r, d] = held.get((r, d), 0) + y - x
-            for r in (r for r in range(self.n) if over[r] > 0):
-                mine = [d for rr, d in held if rr == r]
-                if mine:
-                    d = max(mine, key=lambda d: (held[r, d], d))
-                    runs[d] = self.grown(d, runs.get(d), over[r], start)
+            held: dict[int, dict[int, int]] = {}  # rank over the cap -> rows it holds of each document
+            for r, d, x, y in pieces:  # (a document of one row has no run to cut off)
+                if over[r] > 0 and self.length[d] > 1 and d not in heads and d not in self.fixed:
+                    mine = held.setdefault(r, {})
+                    mine[d] = mine.get(d, 0) + y - x
+            for r in sorted(held):
+                mine = held[r]
+                d = max(mine, key=lambda d: (mine[d], d))
+                runs[d] = self.grown(d, runs.get(d), over[r], start)
             result, packed = self.balanced(runs)
             if result is not None:
                 return result
@@ -185,9 +230,9 @@ class Packing:
         n, target = self.n, self.mean
         trimmed = sorted(item for d, run in runs.items() for item in self.trimmed(d, run))
         items = heapq.merge((item for item in self.whole if item[1] not in runs), trimmed)
-        room, work = list(self.sizes), [0.0] * n
-        density = [target / size if size else 0.0 for size in room]  # work left per token of room
-        pieces, left = [], []
+        room, work = self._placed_rooms()
+        density = [(target - w) / size if size else 0.0 for w, size in zip(work, room, strict=True)]  # work left
+        pieces, left = list(self.placed), []  # per token of room
         for _, d, ranges, w, size in items:
             best, best_density = -1, 0.0
             for r in range(n):
@@ -211,6 +256,16 @@ class Packing:
                 room[r] -= take
                 a += take
         return pieces
+
+    def _placed_rooms(self) -> tuple[list[int], list[float]]:
+        """Every rank's tokens and work left beside the placed pieces (fresh lists)."""
+        if self._rooms is None:
+            room, work = list(self.sizes), [0.0] * self.n
+            for r, d, a, b in self.placed:
+                room[r] -= b - a
+                work[r] += self.range_work(d, a, b)
+            self._rooms = room, work
+        return list(self._rooms[0]), list(self._rooms[1])
 
     def trimmed(self, doc: int, run: tuple[int, int]) -> tuple[tuple, tuple]:
         """The items of a document with ``run`` cut off: the rest (head and tail together) and the
