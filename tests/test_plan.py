@@ -841,6 +841,54 @@ def test_block_relaxation_is_a_lower_bound():
         assert 0.9 * max(s.kv_recv) <= bound <= max(s.kv_recv), (index, n, bound, s.kv_recv)
 
 
+def test_causal_floor_is_below_the_bound_and_the_optimum():
+    """The planner's closed-form floor (the longest document's first two figures, fill at one pair a
+    row) never exceeds the lower bound on random layouts, nor the least max KV of any plan of tiny
+    ones (exhaustive search), and is exact for one document much longer than a rank."""
+    from doccp.plan.bound import causal_floor, kv_lower_bound
+    assert causal_floor(DocLayout.from_lengths([800]), 8) == 700
+    assert causal_floor(DocLayout.from_lengths([800] + [1] * 224), 8) == 672  # the module docstring's example
+    assert causal_floor(DocLayout.from_lengths([5, 5]), 1) == causal_floor(DocLayout.from_lengths([]), 4) == 0
+    rng = random.Random("causal floor")
+    raised = 0
+    for _ in range(200):
+        n = rng.randint(2, 9)
+        lengths = [rng.randint(0, rng.choice([5, 40, 300])) for _ in range(rng.randint(1, 30))]
+        layout = DocLayout.from_lengths(lengths)
+        floor = causal_floor(layout, n)
+        assert floor <= kv_lower_bound(layout, n, Mask.causal()), (lengths, n)
+        raised += floor > 0
+    for _ in range(30):
+        n = rng.choice([2, 3])
+        lengths = [rng.randint(1, 7) for _ in range(rng.randint(1, 3))]
+        while sum(lengths) > (9 if n == 2 else 7):
+            lengths.pop()
+        for tolerance in (1.0, 1.25):
+            best = _best_max_kv(lengths, n, Mask.causal(), tolerance)
+            if best is not None:
+                assert causal_floor(DocLayout.from_lengths(lengths), n, tolerance) <= best, (lengths, n, tolerance)
+    assert raised >= 50
+
+
+def test_balanced_stops_at_a_plan_within_the_slack_of_the_floor(monkeypatch):
+    """One document of 20000 tokens among short ones over 16 ranks (32k tokens): the first probe
+    receives the floor itself (the holder of the last row holds a rank's tokens), so the search ends
+    there, without the recursive bisections that the search tries otherwise for the same KV."""
+    from doccp.plan.bound import causal_floor
+    lengths = [20000]
+    while sum(lengths) < 32768:
+        lengths.append(min(len(lengths) * 37 % 600 + 1, 32768 - sum(lengths)))
+    layout = DocLayout.from_lengths(lengths)
+    bisections = []
+    solve = balanced._bisection_plans
+    monkeypatch.setattr(balanced, "_bisection_plans", lambda *args: bisections.append(1) or solve(*args))
+    stats = plan(layout, 16, Mask.causal()).stats()
+    assert max(stats.kv_recv) == causal_floor(layout, 16) == 17952 and stats.imbalance <= 1.01
+    assert not bisections
+    monkeypatch.setattr(balanced, "causal_floor", lambda *args: 0)  # no floor: the search goes on
+    assert max(plan(layout, 16, Mask.causal()).kv_received) == 17952 and bisections
+
+
 def test_lower_bound_of_one_document_over_two_ranks():
     """The second figure of the bound (module docstring example) gives 36; the third, 41, and the
     balanced planner's head + tail plan receives exactly that: it is optimal here."""

@@ -98,7 +98,13 @@ over 8 ranks, two documents of 85% of a rank's work: 450 keys -> 154).
 The costlier candidates (head-at-back layouts, bisections) are tried only while the best plan
 receives more than the (unbalanced) contiguous split's max KV plus :data:`KV_GOAL` of an
 all-gather, or more than :data:`KV_HEAVY` of one (:data:`KV_BIG` in a big batch, :data:`KV_BIG_FEW`
-over few ranks). Every
+over few ranks). Under a causal mask the search ends at the first balanced plan within
+:data:`BOUND_SLACK` of a lower bound that the longest document sets
+(:func:`doccp.plan.bound.causal_floor`: the rank holding its last row holds at most a rank's tokens
+of it within the work cap), where no candidate to come could lower the KV by more: one document much
+longer than a rank decides the KV (pareto mix #0, 4M tokens over 1024 ranks, a document of 1.1M
+tokens: the first probe receives 1118615 keys, the floor is 1115099, and the search took 1.0 s for
+1118657). Every
 candidate plan is scored (unbalanced, max KV received, whole-able documents cut, spread) and
 the best one kept (where none balances, the one nearest balance, to the tolerance, then the
 least KV); a handful of candidates, each O(chunks log chunks + N log T) vectorised host
@@ -123,6 +129,7 @@ import torch
 
 from doccp.layout import DocLayout
 from doccp.masks import BandMask, Mask
+from doccp.plan.bound import causal_floor
 from doccp.plan.exchange import visible_intervals
 from doccp.plan.head_tail import head_tail
 from doccp.plan.hosts import hosted_packings
@@ -153,6 +160,10 @@ FEW_CUTS = 2
 #: that save more (0.002-0.019 of an all-gather), 4 more than a cap of 0.02 of an all-gather.
 KV_SLACK = 0.05
 KV_SLACK_TOKENS = 256
+#: The search ends at a balanced plan within this share of the causal floor of the longest document
+#: (:func:`doccp.plan.bound.causal_floor`, a lower bound): one document much longer than a rank
+#: decides the KV, and the costlier candidates could lower it by that share at most.
+BOUND_SLACK = 0.01
 #: Rounds of pinning cut documents that could stay whole to one rank and solving again.
 PIN_ROUNDS = 3
 #: Where a cut document that could stay whole is pinned, tried in turn: the rank holding most of
@@ -375,6 +386,15 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     contiguous = _score(cut_stream(layout.cu_seqlens, even_sizes(layout.num_tokens, n)), layout, n, mask, whole)
     big, big_tokens = (KV_BIG_FEW, KV_BIG_FEW_TOKENS) if n <= PACK_RANKS else (KV_BIG, KV_BIG_TOKENS)
     kv_goal = min(contiguous[0][1] + KV_GOAL * allgather, KV_HEAVY * allgather, max(big * allgather, big_tokens))
+    # A balanced plan within BOUND_SLACK of a lower bound (the longest document's, causal) ends the
+    # search: no candidate to come could lower its KV by more.
+    causal = isinstance(mask, BandMask) and mask.is_causal
+    floor = causal_floor(layout, n, TOLERANCE) if causal else 0
+    enough = floor * (1 + BOUND_SLACK) if floor > 0 else -1.0
+
+    def settled() -> bool:
+        return best_score is not None and not best_score[0] and best_score[1] <= enough
+
     # Round 0 (no pins) of the probes, then pinning rounds, until _done. Round 0 of a chunking is
     # solved once (``unpinned``); a chunking that cannot balance is not pinned.
     chunkings = _distinct_chunkings(lengths, whole, rank_tokens)
@@ -471,6 +491,8 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
     elif ahead(len(probes)):
         solve_ahead([(c, first_pins(c)) for c in probes])
     for chunks, pin_to, probe, chains in variants():
+        if settled():
+            break
         # A pinning pass on a small layout with a long search ahead (few cut documents: a larger
         # budget; or no balanced plan yet) is solved in lockstep, then replayed in order below (it
         # stands for several solves per chain, so it pays even a step shallower than the probes).
@@ -496,6 +518,8 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
             pinned = _pin(pinned, pieces, cut, pin_to, n)
         if not probe and best_score is not None and _done(best_score, attempts):
             break
+    if settled():
+        return best
     # The packings last (solved with the first probes): they compete with the search's best but
     # never end it early, so a plan the search finds is never lost to one.
     unsolved = [(c, first_pins(c)) for c in packings if (c, first_pins(c).numpy().tobytes()) not in solved]
@@ -527,7 +551,6 @@ def _search(layout: DocLayout, world_size: int, mask: Mask) -> Pieces:
                 keep(result[0], result[1])
     # Two ranks, causal: one document's head and tail on one rank, its middle on the other, next
     # to the whole documents a local search picks (doccp.plan.two_ranks).
-    causal = isinstance(mask, BandMask) and mask.is_causal
     if n == 2 and causal and (best_score is None or best_score[0] or best_score[1] > TWO_RANKS_KV * allgather):
         for result in scored(two_rank_plans(lengths, doc_work, whole, int(even_sizes(layout.num_tokens, n)[0]))):
             keep(result[0], result[1])

@@ -93,6 +93,15 @@ every row sees its document from key 0 and costs never fall along the document (
 It is exact for one document much longer than a rank and 0 when only the packing of many short
 documents forces cuts (where :mod:`bench.plan` reports no ratio). Host cost: O(tokens + distinct
 lengths x longest document x log T), a benchmark tool, not part of planning.
+
+:func:`causal_floor` is the part the planner uses: the first two figures of the longest document
+under a causal mask, with every row of fill at the least a row costs (1, a document's first row),
+in closed form: O(log L) arithmetic, no table of rows. A plan within a hair of it leaves nothing
+worth searching for (:data:`doccp.plan.balanced.BOUND_SLACK`)::
+
+    one document of 800 tokens and 224 of 1 token over 8 ranks (128 tokens each, cap 40.5k pairs):
+    the holder of row 799 holds at most 128 rows (row 799 and the first 127 cost 800 + 8128), so
+    it receives at least 800 - 128 = 672 keys
 """
 
 from __future__ import annotations
@@ -188,6 +197,36 @@ def kv_lower_bound(layout: DocLayout, world_size: int, mask: Mask, tolerance: fl
         bound = _bisect(figures.allow, bound, most)
         bound = _bisect(figures.together, bound, most)
     return bound
+
+
+def causal_floor(layout: DocLayout, world_size: int, tolerance: float = TOLERANCE) -> int:
+    """A lower bound on the KV the most-loaded rank receives under a causal mask, in O(log L): the
+    first and second figures of the longest document (length ``L``), every row of fill costing 1
+    (no more than the cheapest row of any document, so the bound stays below theirs). The holder of
+    row ``L - 1`` holds at most the ``n`` rows whose least work (that row, the first ``n - 1``, and
+    fill up to a rank's tokens) fits the cap, and receives ``L - n``; of the ``m`` last rows it may
+    hold, it or the holder of row ``L - m - 1`` receives half of ``L - m``."""
+    n, total = world_size, layout.num_tokens
+    if n == 1 or total == 0:
+        return 0
+    lengths = layout.lengths
+    length = int(lengths.max())
+    floor_tokens, most = total // n, min(length, -(-total // n))
+    cap = tolerance * int((lengths * (lengths + 1) // 2).sum()) / n
+
+    def pairs(a: int, b: int) -> int:  # row i sees its i + 1 first keys
+        return (b * (b + 1) - a * (a + 1)) // 2
+
+    def largest(fits) -> int:  # the most rows in [1, most] that fit (fitting is a prefix)
+        lo, hi = 1, most
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
+    first = largest(lambda k: length + pairs(0, k - 1) + max(floor_tokens - k, 0) <= cap)
+    last = largest(lambda m: pairs(length - m, length) + max(floor_tokens - m, 0) <= cap)
+    return max(length - first, (length - last + 1) // 2)
 
 
 def _bisect(allowed, lo: int, hi: int) -> int:
