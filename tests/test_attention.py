@@ -470,6 +470,27 @@ def test_attention_packed_around_nested_plans(monkeypatch, world_size, lengths):
     check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
 
 
+@pytest.mark.parametrize("world_size, lengths", [(3, [1, 8, 0, 162, 0, 3]), (5, [243, 5, 0, 21, 1])], ids=["3", "5"])
+def test_attention_plans_at_the_causal_floor(monkeypatch, world_size, lengths):
+    """Plans the balanced search ends at because they receive the causal floor of their longest
+    document (doccp.plan.bound.causal_floor), at odd N, with zero-length and 1-token documents."""
+    import importlib
+    balanced = importlib.import_module("doccp.plan.balanced")
+    from doccp.plan.bound import causal_floor
+    layout = DocLayout.from_lengths(lengths)
+    with monkeypatch.context() as m:
+        bisections = []
+        solve = balanced._bisection_plans
+        m.setattr(balanced, "_bisection_plans", lambda *args: bisections.append(1) or solve(*args))
+        s = doccp.plan(layout, world_size).stats()
+        assert s.imbalance <= 1.01 and max(s.kv_recv) == causal_floor(layout, world_size) and not bisections
+        m.setattr(balanced, "causal_floor", lambda *args: 0)
+        doccp.plan(layout, world_size)
+        assert bisections  # without the floor the search goes on: the plans under test end it
+    cases = [(lengths, "balanced", Mask.causal(), algorithm, i) for i, algorithm in enumerate(ALGORITHMS)]
+    check(spawn(run_cases, world_size, world_size, cases, threads=1), cases, world_size)
+
+
 @pytest.mark.parametrize("world_size, lengths", [
     (3, [1, 1, 89, 0, 8, 144, 13]),
     (3, [21, 0, 0, 144, 1, 3, 1, 144]),
